@@ -1,0 +1,80 @@
+"""Gradient accumulation: K micro-batches, one all-reduce, one optimizer step.
+
+On non-final micro-steps the forward *and* backward run inside DDP's ``no_sync``, so gradients
+accumulate locally and are reduced once, on the boundary.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .errors import ConfigError
+from .precision import Precision
+
+__all__ = ["Accumulator"]
+
+
+class Accumulator:
+    """Drives micro-steps: ``no_sync`` off the boundary, loss / K, step + zero_grad on it.
+
+    Example::
+
+        acc = Accumulator(model, optimizer, Precision("bf16"), steps=4, clip_norm=1.0)
+        for i, (x, y) in enumerate(loader):
+            with acc.micro_step(last=(i == len(loader) - 1)):
+                with acc.precision.autocast():
+                    loss = loss_fn(model(x), y)
+                acc.backward(loss)
+            if acc.stepped:
+                scheduler.step()
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 precision: Optional[Precision] = None, steps: int = 1,
+                 clip_norm: Optional[float] = None) -> None:
+        if steps < 1:
+            raise ConfigError(f"accumulation steps must be >= 1, got {steps}")
+        self.model, self.optimizer, self.steps = model, optimizer, steps
+        self.precision = precision or Precision("fp32")
+        self.clip_norm = clip_norm
+        self.micro = 0            # micro-steps since the last optimizer step
+        self.stepped = False      # did the last micro-step end with an optimizer step?
+        self.optimizer_steps = 0
+        self.grad_norm: Optional[float] = None
+
+    def is_boundary(self, last: bool = False) -> bool:
+        """Whether the coming micro-step ends an accumulation window."""
+        return last or (self.micro + 1) % self.steps == 0
+
+    @contextlib.contextmanager
+    def micro_step(self, last: bool = False) -> Iterator[None]:
+        """Context for one micro-batch's forward and backward; steps the optimizer on boundaries.
+
+        ``last=True`` forces a step (end of epoch) so no gradients leak into the next epoch.
+        """
+        boundary = self.is_boundary(last)
+        sync = (self.model.no_sync() if not boundary and isinstance(
+            self.model, DistributedDataParallel) else contextlib.nullcontext())
+        with sync:
+            yield
+        self.micro += 1
+        self.stepped = boundary
+        if boundary:
+            self.grad_norm = self.precision.step(self.optimizer, self.clip_norm,
+                                                 self.model.parameters())
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer_steps += 1
+            self.micro = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss / K`` so K micro-batches add up to the mean over the full batch.
+
+        Example::
+
+            acc.backward(loss)
+        """
+        self.precision.backward(loss / self.steps if self.steps > 1 else loss)

@@ -1,0 +1,190 @@
+"""Rank utilities that work the same with one process or many: reduce, gather, print on rank 0.
+
+Each function falls back to the single-process answer when no process group exists, so user code
+never needs an ``if distributed:`` branch.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from typing import Any, Iterator, List, Union
+
+import torch
+import torch.distributed as tdist
+
+__all__ = ["rank", "world_size", "is_main", "barrier", "reduce", "gather_object",
+           "broadcast_object", "print0", "main_process_first", "install_rank_warnings"]
+
+Number = Union[int, float]
+_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN,
+        "mean": tdist.ReduceOp.SUM}
+
+
+def _active() -> bool:
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def rank() -> int:
+    """Global rank of this process (0 without a process group).
+
+    Example::
+
+        if rank() == 0: ...
+    """
+    return tdist.get_rank() if _active() else 0
+
+
+def world_size() -> int:
+    """Number of processes in the job (1 without a process group).
+
+    Example::
+
+        per_rank = global_batch // world_size()
+    """
+    return tdist.get_world_size() if _active() else 1
+
+
+def is_main() -> bool:
+    """True on global rank 0: the process that logs and writes files.
+
+    Example::
+
+        if is_main():
+            torch.save(state, "model.pt")
+    """
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait until every rank gets here. Every rank must call it, never just one.
+
+    Example::
+
+        barrier()
+    """
+    if _active():
+        tdist.barrier()
+
+
+def _comm_device() -> torch.device:
+    # NCCL only reduces CUDA tensors; gloo reduces CPU tensors.
+    if _active() and tdist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce(value: Union[torch.Tensor, Number], op: str = "sum") -> Union[torch.Tensor, Number]:
+    """All-reduce a tensor or a plain number across ranks with ``sum``, ``mean``, ``max`` or ``min``.
+
+    Tensors come back on their own device and dtype; numbers come back as Python numbers.
+    Every rank must call it. To average a metric, reduce a (sum, count) pair rather than means.
+
+    Example::
+
+        total = reduce(torch.tensor([loss_sum, count]), "sum")
+        slowest = reduce(step_seconds, "max")
+    """
+    if op not in _OPS:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(_OPS)}")
+    is_tensor = isinstance(value, torch.Tensor)
+    tensor = value if is_tensor else torch.tensor(value, dtype=torch.float64)
+    if _active():
+        work = tensor.detach().to(_comm_device(), copy=True)
+        if work.dtype in (torch.float16, torch.bfloat16):
+            work = work.float()  # gloo cannot reduce half types; sums need the precision anyway
+        tdist.all_reduce(work, op=_OPS[op])
+        if op == "mean":
+            work = work / world_size()
+        tensor = work.to(value.device if is_tensor else "cpu", dtype=tensor.dtype)
+    elif op == "mean" and is_tensor:
+        tensor = tensor.clone()
+    if is_tensor:
+        return tensor
+    out = tensor.item()
+    return int(out) if isinstance(value, int) and op != "mean" else out
+
+
+def gather_object(obj: Any) -> List[Any]:
+    """Gather any picklable object from every rank; returns the list in rank order on all ranks.
+
+    Objects may differ in size and shape between ranks (unlike tensor ``all_gather``).
+
+    Example::
+
+        counts = gather_object(len(my_shard))   # [n0, n1, ...]
+    """
+    if not _active():
+        return [obj]
+    out: List[Any] = [None] * world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Send rank ``src``'s object to every rank and return it.
+
+    Example::
+
+        run_dir = broadcast_object(make_run_dir() if is_main() else None)
+    """
+    if not _active():
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only (flushes, so logs interleave correctly under launchers).
+
+    Example::
+
+        print0(f"epoch {epoch}: loss {loss:.4f}")
+    """
+    if is_main():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Run the block on rank 0 first, then on the other ranks (e.g. to prepare a dataset once).
+
+    Example::
+
+        with main_process_first():
+            dataset = load_or_prepare(cache_dir)
+    """
+    if not is_main():
+        barrier()
+    try:
+        yield
+    finally:
+        if is_main():
+            barrier()
+
+
+def install_rank_warnings(rank_: int) -> None:
+    """Prefix warnings on ranks other than 0 with ``[rank k]`` and show each distinct one once.
+
+    Rank 0's warnings are left as they are; the others would otherwise repeat N-1 times unlabelled.
+
+    Example::
+
+        install_rank_warnings(env.rank)
+    """
+    if rank_ == 0:
+        return
+    original = warnings.showwarning
+    seen: set = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        key = (str(message), category, filename, lineno)
+        if key in seen:
+            return
+        seen.add(key)
+        text = f"[rank {rank_}] {message}"
+        original(text, category, filename, lineno, file if file is not None else sys.stderr, line)
+
+    warnings.showwarning = show

@@ -1,0 +1,149 @@
+"""Process-group set-up and tear-down: device, backend, init method, timeout, threads.
+
+Everything here takes a :class:`~ddpkit.env.ClusterEnv`; nothing reads the environment itself
+except :func:`cpu_threads_per_process`, which honours the user's ``OMP_NUM_THREADS``.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+from datetime import timedelta
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as tdist
+
+from .env import ClusterEnv
+from .errors import ConfigError
+
+__all__ = ["select_device", "resolve_backend", "resolve_init_method", "init_process_group",
+           "shutdown", "DEFAULT_TIMEOUT"]
+
+#: Collective timeout. PyTorch's default of 30 minutes turns a dead peer into half an hour of
+#: silence; 10 minutes still leaves room for a slow first-epoch data preparation.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def select_device(env: ClusterEnv, accelerator: str = "auto",
+                  cuda_count: Optional[int] = None) -> torch.device:
+    """The device this process owns: ``cuda:<local_rank mod #GPUs>`` when CUDA is there, else CPU.
+
+    Example::
+
+        device = select_device(env)          # cuda:1 for local rank 1 on a 2-GPU node
+        device = select_device(env, "cpu")   # force CPU
+    """
+    if accelerator not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"unknown accelerator {accelerator!r}; use auto, cpu or cuda")
+    count = torch.cuda.device_count() if cuda_count is None else cuda_count
+    if accelerator == "cpu" or (accelerator == "auto" and count == 0):
+        return torch.device("cpu")
+    if count == 0:
+        raise ConfigError("accelerator 'cuda' was requested but no CUDA device is visible; "
+                          "use --accelerator cpu or check CUDA_VISIBLE_DEVICES")
+    if env.local_world_size > count:
+        raise ConfigError(f"{env.local_world_size} processes on this node but only {count} "
+                          "CUDA device(s); start at most one process per device")
+    return torch.device("cuda", env.local_rank % count)
+
+
+def resolve_backend(backend: Optional[str], device: torch.device) -> str:
+    """nccl for CUDA, gloo otherwise; an explicit choice is checked against the device.
+
+    Example::
+
+        resolve_backend(None, torch.device("cpu"))      # 'gloo'
+        resolve_backend("nccl", torch.device("cpu"))    # ConfigError: nccl needs CUDA
+    """
+    if backend in (None, "", "auto"):
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} "
+                          "or leave it unset for automatic choice")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("backend 'nccl' needs CUDA devices but this process runs on CPU; "
+                          "use --backend gloo (or leave it unset)")
+    return backend
+
+
+def resolve_init_method(env: ClusterEnv, init_method: Optional[str] = None) -> str:
+    """The init method URL: explicit ``env://``, ``tcp://h:p`` or ``file://path``, else derived.
+
+    Without one, torchrun's own ``env://`` is used under torchrun; Slurm and spawn get an explicit
+    ``tcp://master:port`` so nothing has to be written into ``os.environ``.
+
+    Example::
+
+        resolve_init_method(env, "file:///shared/job42.init")
+    """
+    if init_method:
+        if not init_method.startswith(("env://", "tcp://", "file://")):
+            raise ConfigError(f"init method {init_method!r} must start with env://, tcp:// or "
+                              "file://")
+        if init_method.startswith("env://") and not env.master_addr:
+            raise ConfigError("init method env:// needs MASTER_ADDR and MASTER_PORT")
+        return init_method
+    if not env.master_addr or env.master_port is None:
+        raise ConfigError(f"world size {env.world_size} needs a master address and port "
+                          "(MASTER_ADDR/MASTER_PORT, or an init method such as file:///shared/f)")
+    if env.launcher == "torchrun":
+        return "env://"
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    return f"tcp://{host}:{env.master_port}"
+
+
+def cpu_threads_per_process(env: ClusterEnv, environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """Intra-op threads for a CPU process, or None to leave torch's choice alone.
+
+    N processes each using every core fight for them; split the cores unless the user said
+    ``OMP_NUM_THREADS`` explicitly.
+
+    Example::
+
+        torch.set_num_threads(cpu_threads_per_process(env) or torch.get_num_threads())
+    """
+    if "OMP_NUM_THREADS" in environ or env.local_world_size <= 1:
+        return None
+    return max(1, (os.cpu_count() or 1) // env.local_world_size)
+
+
+def init_process_group(env: ClusterEnv, device: torch.device, backend: Optional[str] = None,
+                       init_method: Optional[str] = None,
+                       timeout: timedelta = DEFAULT_TIMEOUT) -> Optional[str]:
+    """Create the default process group (idempotent); returns the backend, or None for 1 process.
+
+    On CUDA the device is selected before the group exists, so NCCL never touches GPU 0 from
+    every rank. The group is destroyed at interpreter exit if the user does not do it first.
+
+    Example::
+
+        backend = init_process_group(env, torch.device("cpu"), timeout=timedelta(minutes=2))
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not env.is_distributed:
+        return None
+    resolved = resolve_backend(backend, device)
+    if tdist.is_initialized():
+        return tdist.get_backend()
+    url = resolve_init_method(env, init_method)
+    kwargs = {} if url == "env://" else {"rank": env.rank, "world_size": env.world_size}
+    tdist.init_process_group(resolved, init_method=url, timeout=timeout, **kwargs)
+    atexit.register(shutdown)
+    return resolved
+
+
+def shutdown() -> None:
+    """Destroy the default process group if there is one (safe to call many times).
+
+    Example::
+
+        try:
+            train()
+        finally:
+            shutdown()
+    """
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()

@@ -1,0 +1,201 @@
+"""Cluster environment detection: who am I, how many of us, where is the master.
+
+A pure function of a mapping (normally ``os.environ``) and ``argv``: no side effects, so every
+launcher (torchrun, Slurm, spawn, a single process) is testable with a plain dict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from .errors import ConfigError
+from .slurm import first_host, parse_tasks_per_node, port_from_job_id
+
+__all__ = ["ClusterEnv", "detect", "spawn_env", "to_environ"]
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    """Where this process sits in the job.
+
+    Example::
+
+        env = detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+        assert env.rank == 1 and env.is_distributed
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    launcher: str = "single"  # torchrun | slurm | spawn | single
+    restart_count: int = 0
+    job_id: Optional[str] = None
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when more than one process takes part."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes, assuming the same number of processes on each."""
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    def validate(self) -> "ClusterEnv":
+        """Raise :class:`ConfigError` on impossible combinations; return self."""
+        if self.world_size < 1:
+            raise ConfigError(f"world size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"rank {self.rank} is impossible with world size {self.world_size} "
+                f"(ranks run from 0 to {self.world_size - 1}); check RANK/WORLD_SIZE ({self.launcher})")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ConfigError(
+                f"local rank {self.local_rank} is impossible with {self.local_world_size} processes "
+                f"on this node; check LOCAL_RANK/LOCAL_WORLD_SIZE ({self.launcher})")
+        if self.local_world_size > self.world_size:
+            raise ConfigError(
+                f"{self.local_world_size} processes per node exceed world size {self.world_size}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"master port {self.master_port} is not a TCP port (1-65535)")
+        return self
+
+
+def _int(environ: Mapping[str, str], key: str, default: Optional[int] = None) -> Optional[int]:
+    raw = environ.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={raw!r} is not an integer") from None
+
+
+def _legacy_local_rank(argv: Sequence[str]) -> Optional[int]:
+    """``torch.distributed.launch`` passed ``--local_rank=N`` (or ``--local-rank N``) to scripts."""
+    for i, arg in enumerate(argv):
+        for flag in ("--local_rank", "--local-rank"):
+            if arg == flag and i + 1 < len(argv):
+                return int(argv[i + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return None
+
+
+def _from_torchrun(environ: Mapping[str, str], argv: Sequence[str]) -> ClusterEnv:
+    world = _int(environ, "WORLD_SIZE", 1)
+    local_rank = _int(environ, "LOCAL_RANK")
+    if local_rank is None:
+        local_rank = _legacy_local_rank(argv)
+    return ClusterEnv(
+        rank=_int(environ, "RANK", 0),
+        world_size=world,
+        local_rank=local_rank or 0,
+        local_world_size=_int(environ, "LOCAL_WORLD_SIZE", world),
+        node_rank=_int(environ, "GROUP_RANK", _int(environ, "NODE_RANK", 0)),
+        master_addr=environ.get("MASTER_ADDR") or None,
+        master_port=_int(environ, "MASTER_PORT"),
+        launcher="torchrun",
+        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+        job_id=environ.get("TORCHELASTIC_RUN_ID"),
+    )
+
+
+def _in_slurm_step(environ: Mapping[str, str]) -> bool:
+    # An interactive salloc shell has SLURM_NTASKS but is not a task of an srun step.
+    if "SLURM_PROCID" not in environ or "SLURM_NTASKS" not in environ:
+        return False
+    return environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+
+def _from_slurm(environ: Mapping[str, str]) -> ClusterEnv:
+    node = _int(environ, "SLURM_NODEID", 0)
+    per_node_raw = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    world = _int(environ, "SLURM_NTASKS", 1)
+    local_world = world
+    if per_node_raw:
+        counts = parse_tasks_per_node(per_node_raw)
+        local_world = counts[node] if node < len(counts) else counts[-1]
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    master = environ.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else None)
+    if world > 1 and not master:
+        raise ConfigError("Slurm job without SLURM_JOB_NODELIST or MASTER_ADDR: cannot find the "
+                          "master; run the script through srun inside an allocation")
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    port = _int(environ, "MASTER_PORT")
+    if port is None and job_id:
+        port = port_from_job_id(job_id)
+    return ClusterEnv(rank=_int(environ, "SLURM_PROCID", 0), world_size=world,
+                      local_rank=_int(environ, "SLURM_LOCALID", 0), local_world_size=local_world,
+                      node_rank=node, master_addr=master, master_port=port, launcher="slurm",
+                      restart_count=_int(environ, "SLURM_RESTART_COUNT", 0), job_id=job_id)
+
+
+def detect(environ: Mapping[str, str], argv: Sequence[str] = (),
+           expected_world_size: Optional[int] = None) -> ClusterEnv:
+    """Detect the launcher from environment variables and return a validated :class:`ClusterEnv`.
+
+    torchrun / ``torch.distributed.launch`` (``RANK`` + ``WORLD_SIZE``) wins over Slurm, because
+    ``srun ddpkit run ...`` sets both and torchrun's variables describe the real workers.
+    ``expected_world_size`` (for example the number of devices asked for) must match what the
+    launcher started, which catches the classic Slurm mistake of one task per node for N GPUs.
+
+    Example::
+
+        import os
+        env = detect(os.environ)
+        print(env.rank, env.world_size, env.launcher)
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        env = _from_torchrun(environ, argv)
+    elif _in_slurm_step(environ):
+        env = _from_slurm(environ)
+    else:
+        legacy = _legacy_local_rank(argv)
+        env = ClusterEnv(local_rank=legacy or 0, local_world_size=(legacy or 0) + 1)
+    env.validate()
+    if expected_world_size is not None and expected_world_size != env.world_size:
+        hint = ("set --ntasks-per-node to the number of devices per node (one task per device)"
+                if env.launcher == "slurm" else "launch as many processes as requested")
+        raise ConfigError(f"{env.launcher} started {env.world_size} process(es) but world size "
+                          f"{expected_world_size} was requested; {hint}")
+    return env
+
+
+def spawn_env(rank: int, world_size: int, master_addr: str = "127.0.0.1",
+              master_port: Optional[int] = None) -> ClusterEnv:
+    """The environment of rank ``rank`` of a single-node job started by ``torch.multiprocessing``.
+
+    Example::
+
+        env = spawn_env(rank=0, world_size=2, master_port=29500)
+    """
+    env = ClusterEnv(rank=rank, world_size=world_size, local_rank=rank,
+                     local_world_size=world_size, master_addr=master_addr,
+                     master_port=master_port, launcher="spawn")
+    return env.validate()
+
+
+def to_environ(env: ClusterEnv) -> dict[str, str]:
+    """The torchrun-style variables that describe ``env`` (what a child process needs).
+
+    Example::
+
+        os.environ.update(to_environ(spawn_env(0, 2, master_port=29500)))
+    """
+    out = {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank,
+           "LOCAL_WORLD_SIZE": env.local_world_size, "GROUP_RANK": env.node_rank,
+           "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}
+    return {k: str(v) for k, v in out.items() if v is not None}
+
+

@@ -1,0 +1,173 @@
+"""The facade: ``setup()`` returns a :class:`Runtime` that wraps models, builds loaders, reduces.
+
+This is the "five lines" a plain PyTorch script adds; every method delegates to a module that
+does one job (env, dist, wrap, data, comm, evaluate).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from . import comm
+from .data import DistributedLoader, make_loader
+from .dist import (DEFAULT_TIMEOUT, cpu_threads_per_process, init_process_group, select_device,
+                   shutdown)
+from .env import ClusterEnv, detect
+from .errors import DDPKitError
+from .evaluate import evaluate
+from .seed import seed_everything, set_deterministic
+from .wrap import WrapOptions, unwrap, wrap_model
+
+__all__ = ["Runtime", "setup"]
+
+
+class Runtime:
+    """This process's place in the job plus the helpers that depend on it.
+
+    Create it with :func:`setup`. Use it as a context manager to shut the process group down
+    even when training raises.
+
+    Example::
+
+        with ddpkit.setup() as rt:
+            model = rt.wrap(Net())
+            loader = rt.loader(train_set, batch_size=256)
+            for epoch in range(10):
+                for x, y in loader:
+                    x, y = rt.to_device(x, y)
+                    ...
+            rt.print("done")
+    """
+
+    def __init__(self, env: ClusterEnv, device: torch.device, backend: Optional[str]) -> None:
+        self.env, self.device, self.backend = env, device, backend
+
+    rank = property(lambda self: self.env.rank, doc="Global rank.")
+    local_rank = property(lambda self: self.env.local_rank, doc="Rank on this node.")
+    world_size = property(lambda self: self.env.world_size, doc="Number of processes.")
+    is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0.")
+
+    def wrap(self, model: nn.Module, strategy: str = "ddp", **options: Any) -> nn.Module:
+        """Move to this rank's device and wrap (``ddp`` | ``dp`` | ``none``); see :class:`WrapOptions`.
+
+        Example::
+
+            model = rt.wrap(Net(), sync_bn=True)
+        """
+        return wrap_model(model, self.env, self.device, strategy, WrapOptions(**options))
+
+    def loader(self, dataset: Dataset, batch_size: int, **kwargs: Any) -> DistributedLoader:
+        """A loader of this rank's share; ``batch_size`` is the *global* batch. See :func:`make_loader`.
+
+        Example::
+
+            loader = rt.loader(train_set, batch_size=256, num_workers=2, seed=0)
+        """
+        return make_loader(dataset, batch_size, self.env, device=self.device, **kwargs)
+
+    def to_device(self, *tensors: torch.Tensor) -> Any:
+        """Move tensors to this rank's device (one tensor in, one out; several in, a tuple out).
+
+        Example::
+
+            x, y = rt.to_device(x, y)
+        """
+        moved = tuple(t.to(self.device, non_blocking=True) for t in tensors)
+        return moved[0] if len(moved) == 1 else moved
+
+    def evaluate(self, model: nn.Module, data: Dataset, **kwargs: Any) -> dict:
+        """Exact distributed evaluation on this rank's device; see :func:`ddpkit.evaluate`.
+
+        Example::
+
+            metrics = rt.evaluate(model, test_set, batch_size=256)
+        """
+        kwargs.setdefault("device", self.device)
+        return evaluate(model, data, **kwargs)
+
+    print = staticmethod(comm.print0)
+    barrier = staticmethod(comm.barrier)
+    reduce = staticmethod(comm.reduce)
+    gather = staticmethod(comm.gather_object)
+    main_process_first = staticmethod(comm.main_process_first)
+    unwrap = staticmethod(unwrap)
+
+    def shutdown(self) -> None:
+        """Destroy the process group (also done at exit)."""
+        shutdown()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        shutdown()
+
+    def __repr__(self) -> str:
+        return (f"Runtime(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}, "
+                f"device={self.device}, backend={self.backend}, launcher={self.env.launcher})")
+
+
+def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
+          timeout: timedelta = DEFAULT_TIMEOUT, accelerator: str = "auto",
+          seed: Optional[int] = None, deterministic: bool = False,
+          env: Optional[ClusterEnv] = None, expected_world_size: Optional[int] = None,
+          argv: Optional[Sequence[str]] = None) -> Runtime:
+    """Detect the launcher, pick the device, create the process group: the first ddpkit line.
+
+    Works unchanged under torchrun / ``ddpkit run``, Slurm ``srun``, :func:`ddpkit.launch` and a
+    plain ``python script.py`` (one process, no process group). Idempotent.
+
+    Example::
+
+        rt = ddpkit.setup(seed=0)
+        print(rt)   # Runtime(rank=0/2, local_rank=0, device=cpu, backend=gloo, launcher=torchrun)
+    """
+    env = env or detect(os.environ, sys.argv if argv is None else argv, expected_world_size)
+    install_error_hook(env.rank)
+    comm.install_rank_warnings(env.rank)
+    device = select_device(env, accelerator)
+    threads = cpu_threads_per_process(env) if device.type == "cpu" else None
+    if threads:
+        torch.set_num_threads(threads)
+    backend_name = init_process_group(env, device, backend, init_method, timeout)
+    if seed is not None:
+        seed_everything(seed)
+    if deterministic:
+        set_deterministic(True)
+    return Runtime(env, device, backend_name)
+
+
+def install_error_hook(rank: int, delay: float = 3.0) -> None:
+    """Report an uncaught error once instead of once per rank.
+
+    Rank 0 reports at once; other ranks wait ``delay`` seconds first, by which time a launcher
+    that saw rank 0 fail has stopped them, so a shared error is printed once. A
+    :class:`DDPKitError` is one line (no traceback) and exit status 2.
+
+    Example::
+
+        install_error_hook(env.rank)
+    """
+    def hook(kind: type, value: BaseException, tb: Any) -> None:
+        if rank != 0:
+            time.sleep(delay)
+        prefix = "" if rank == 0 else f"[rank {rank}] "
+        if isinstance(value, DDPKitError):
+            sys.stderr.write(f"{prefix}error: {value}\n")
+            sys.stderr.flush()
+            os._exit(2)
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write("".join(prefix + line + "\n" for line in text.splitlines()))
+        sys.stderr.flush()
+
+    if not getattr(sys.excepthook, "ddpkit", False):
+        hook.ddpkit = True  # type: ignore[attr-defined]
+        sys.excepthook = hook

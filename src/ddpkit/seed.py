@@ -1,0 +1,91 @@
+"""Seeding and determinism: one call for Python, NumPy and torch; RNG state capture for resume.
+
+Model initialisation must be identical on every rank (same seed); augmentation must differ
+(the data loader offsets worker seeds by rank). ``seed_everything`` does the former.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Dict
+
+import torch
+
+__all__ = ["seed_everything", "set_deterministic", "rng_state", "set_rng_state"]
+
+
+def seed_everything(seed: int, rank_offset: int = 0) -> int:
+    """Seed Python, NumPy (if installed) and torch (CPU and CUDA) with ``seed + rank_offset``.
+
+    Use ``rank_offset=0`` before building the model so every rank starts from the same weights.
+
+    Example::
+
+        seed_everything(42)                         # identical on every rank
+        seed_everything(42, rank_offset=env.rank)   # per-rank streams, e.g. dropout noise
+    """
+    value = (seed + rank_offset) % (2 ** 32)
+    random.seed(value)
+    torch.manual_seed(value)
+    try:
+        import numpy as np
+        np.random.seed(value)
+    except ImportError:
+        pass
+    return value
+
+
+def set_deterministic(enabled: bool = True) -> None:
+    """Ask torch for deterministic kernels (and turn off cuDNN autotuning, which contradicts it).
+
+    Example::
+
+        set_deterministic(True)
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled, warn_only=False)
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = not enabled and torch.backends.cudnn.benchmark
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's RNG states (Python, NumPy, torch CPU, CUDA) for a checkpoint.
+
+    Example::
+
+        state = rng_state(); ...; set_rng_state(state)
+    """
+    state: Dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured (missing parts are left alone).
+
+    Example::
+
+        set_rng_state(checkpoint["rng"][rank])
+    """
+    if "python" in state:
+        random.setstate(_as_python_state(state["python"]))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_python_state(value: Any) -> tuple:
+    # Round-tripping through a weights-only checkpoint turns tuples into lists.
+    version, internal, gauss = value
+    return (version, tuple(internal), gauss)
