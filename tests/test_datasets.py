@@ -162,6 +162,31 @@ def test_cifar_loads_python2_era_numpy_module_paths(tmp_path: Path) -> None:
     assert len(cifar(tmp_path, train=False)) == 3
 
 
+def python2_batch(images: np.ndarray, labels: list) -> bytes:
+    """The bytes Python 2's cPickle (protocol 2) wrote for {'data': uint8 array, 'labels': [..]}.
+
+    Python 3 cannot write this form (its bytes go through _codecs.encode), so it is spelled out.
+    """
+    n, width = images.shape
+    raw = images.tobytes()
+    return (b"\x80\x02}(U\x04data" b"cnumpy.core.multiarray\n_reconstruct\n" b"cnumpy\nndarray\n"
+            b"K\x00\x85U\x01b\x87R" b"(K\x01M" + n.to_bytes(2, "little") + b"M"
+            + width.to_bytes(2, "little") + b"\x86" b"cnumpy\ndtype\nU\x02u1K\x00K\x01\x87R"
+            b"(K\x03U\x01|NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb"
+            b"\x89T" + len(raw).to_bytes(4, "little") + raw + b"tb"
+            b"U\x06labels](" + b"".join(b"K" + bytes([y]) for y in labels) + b"eu.")
+
+
+def test_cifar_reads_genuine_python2_pickles(tmp_path: Path) -> None:
+    folder = make_cifar10(tmp_path)
+    images = np.random.default_rng(5).integers(0, 256, (2, 3072), dtype=np.uint8)
+    (folder / "test_batch").write_bytes(python2_batch(images, [7, 2]))
+    test = cifar(tmp_path, train=False)
+    assert [test[0][1], test[1][1]] == [7, 2]
+    pixel = (images[1, 0] / 255 - CIFAR10_MEAN[0]) / CIFAR10_STD[0]  # R plane, top-left pixel
+    assert abs(test[1][0][0, 0, 0].item() - pixel) < 1e-5
+
+
 def test_cifar_accepts_str_keys_and_newer_protocols(tmp_path: Path) -> None:
     folder = make_cifar10(tmp_path)
     batch = {k.decode(): v for k, v in read_batch(folder / "test_batch").items()}

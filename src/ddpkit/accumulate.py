@@ -35,12 +35,14 @@ class Accumulator:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  precision: Optional[Precision] = None, steps: int = 1,
-                 clip_norm: Optional[float] = None) -> None:
+                 clip_norm: Optional[float] = None, skip_nonfinite: bool = False) -> None:
         if steps < 1:
             raise ConfigError(f"accumulation steps must be >= 1, got {steps}")
         self.model, self.optimizer, self.steps = model, optimizer, steps
         self.precision = precision or Precision("fp32")
         self.clip_norm = clip_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0    # optimizer steps skipped for NaN/inf gradients
         self.micro = 0            # micro-steps since the last optimizer step
         self.stepped = False      # did the last micro-step end with an optimizer step?
         self.optimizer_steps = 0
@@ -64,11 +66,18 @@ class Accumulator:
         self.micro += 1
         self.stepped = boundary
         if boundary:
-            self.grad_norm = self.precision.step(self.optimizer, self.clip_norm,
-                                                 self.model.parameters())
+            if self.skip_nonfinite and self.precision.scaler is None and not self._grads_finite():
+                self.skipped_steps += 1   # gradients are all-reduced: every rank agrees
+            else:
+                self.grad_norm = self.precision.step(self.optimizer, self.clip_norm,
+                                                     self.model.parameters())
             self.optimizer.zero_grad(set_to_none=True)
             self.optimizer_steps += 1
             self.micro = 0
+
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return all(bool(torch.isfinite(g).all()) for g in grads)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / K`` so K micro-batches add up to the mean over the full batch.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import List, Optional
 
 from .errors import DDPKitError
 
@@ -71,9 +71,6 @@ def _cmd_slurm(ns: argparse.Namespace) -> int:
     return 0
 
 
-_EXTRA: List[Callable[[argparse._SubParsersAction], None]] = []
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The full ``ddpkit`` argument parser.
 
@@ -86,22 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddpkit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, *_subcommands(), _add_slurm):
+    from . import train_cli
+
+    for add in (_add_run, train_cli.add_parser, _add_slurm):
         add(sub)
     return parser
-
-
-def _subcommands() -> List[Callable[[argparse._SubParsersAction], None]]:
-    adders = []
-    for module in ("train_cli", "bench_cli"):
-        try:
-            mod = __import__(f"ddpkit.{module}", fromlist=["add_parser"])
-        except ImportError as exc:
-            if exc.name != f"ddpkit.{module}":
-                raise
-            continue
-        adders.append(mod.add_parser)
-    return adders
 
 
 def main(argv: Optional[List[str]] = None) -> int:

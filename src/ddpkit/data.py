@@ -37,12 +37,17 @@ def per_rank_batch_size(global_batch: int, world_size: int) -> int:
 
 
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` that can start an epoch at a given position (for exact resume).
+    """``DistributedSampler`` that can start an epoch after the first ``n`` samples *globally*.
+
+    Shards are interleaved (rank r takes positions r, r+N, ...), so after k batches of b on each
+    of N ranks exactly the first N*k*b positions of the epoch's permutation are consumed, whatever
+    N was. Skipping that prefix resumes an epoch exactly, even on a different number of ranks.
+    With nothing skipped the order is identical to ``DistributedSampler``'s.
 
     Example::
 
         sampler = ResumableSampler(ds, num_replicas=2, rank=0, seed=1)
-        sampler.set_epoch(3); sampler.skip(128)   # continue epoch 3 after 128 samples
+        sampler.set_epoch(3); sampler.skip(256)   # continue epoch 3 after 256 samples
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -50,16 +55,34 @@ class ResumableSampler(DistributedSampler):
         self.start = 0
 
     def skip(self, samples: int) -> None:
-        """Skip the first ``samples`` indices of this rank's share of the current epoch (once)."""
+        """Skip the first ``samples`` positions of the current epoch across all ranks (once)."""
         self.start = samples
 
+    def _epoch_indices(self) -> list:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            return torch.randperm(n, generator=g).tolist()
+        return list(range(n))
+
+    def _padded(self, indices: list) -> list:
+        world = self.num_replicas
+        if self.drop_last:
+            return indices[: len(indices) // world * world]
+        pad = (-len(indices)) % world
+        if pad and indices:
+            indices = indices + (indices * math.ceil(pad / len(indices)))[:pad]
+        return indices
+
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())[self.start:]
+        indices = self._padded(self._epoch_indices()[self.start:])
         self.start = 0
-        return iter(indices)
+        return iter(indices[self.rank::self.num_replicas])
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return len(self._padded(list(range(max(0, len(self.dataset) - self.start))))) // \
+            self.num_replicas  # type: ignore[arg-type]
 
 
 class ShardSampler(Sampler[int]):
@@ -133,9 +156,11 @@ class DistributedLoader:
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
         self.loader_kwargs, self.seed, self.rank = loader_kwargs, seed, rank
         self.epoch = -1          # epoch of the pass in progress (or last finished)
-        self.batches_done = 0    # batches of the current epoch handed out
+        self.batches_done = 0    # batches handed out in this pass
+        self._skip_samples = 0   # global samples of this epoch skipped at the start of the pass
         self._resume: Optional[Dict[str, int]] = None
         self._loader: Optional[DataLoader] = None
+        self.pass_batches = len(self)  # batches in the pass in progress (less after a resume)
 
     def __len__(self) -> int:
         """Batches per rank in a full epoch."""
@@ -157,12 +182,17 @@ class DistributedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         if self._resume is not None:
-            self.epoch, self.batches_done = self._resume["epoch"], self._resume["batches_done"]
+            self.epoch, self._skip_samples = self._resume["epoch"], self._resume["samples_done"]
             self._resume = None
         else:
-            self.epoch, self.batches_done = self.epoch + 1, 0
+            self.epoch, self._skip_samples = self.epoch + 1, 0
+        self.batches_done = 0
         self.sampler.set_epoch(self.epoch)
-        self.sampler.skip(self.batches_done * self.batch_size)
+        self.sampler.skip(self._samples_done)
+        drop = self.loader_kwargs.get("drop_last", False)
+        remaining = len(self.sampler)
+        self.pass_batches = remaining // self.batch_size if drop else math.ceil(
+            remaining / self.batch_size)
         for batch in self._dataloader():
             self.batches_done += 1
             yield batch
@@ -174,28 +204,38 @@ class DistributedLoader:
 
             loader.set_epoch(5)
         """
-        self._resume = {"epoch": epoch, "batches_done": 0}
+        self._resume = {"epoch": epoch, "samples_done": 0}
+
+    @property
+    def at_last_batch(self) -> bool:
+        """True while the batch just handed out is the last of this pass."""
+        return self.batches_done >= self.pass_batches
+
+    @property
+    def _samples_done(self) -> int:
+        return self._skip_samples + self.batches_done * self.batch_size * self.sampler.num_replicas
 
     def state_dict(self) -> Dict[str, int]:
-        """Position in the data: the epoch in progress and the batches consumed in it.
+        """Position in the data: the epoch in progress and the samples consumed in it, globally.
 
         Example::
 
-            state = loader.state_dict()   # {'epoch': 2, 'batches_done': 17, 'seed': 0}
+            state = loader.state_dict()   # {'epoch': 2, 'samples_done': 2176, ...}
         """
-        return {"epoch": self.epoch, "batches_done": self.batches_done, "seed": self.seed}
+        return {"epoch": self.epoch, "samples_done": self._samples_done,
+                "world_size": self.sampler.num_replicas, "seed": self.seed}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
-        """Continue at ``state``'s position on the next pass.
+        """Continue at ``state``'s position on the next pass, on any number of ranks.
 
         Example::
 
-            loader.load_state_dict({"epoch": 2, "batches_done": 17, "seed": 0})
+            loader.load_state_dict(checkpoint["loader"])
         """
         if state.get("seed", self.seed) != self.seed:
             raise ConfigError(f"checkpoint was shuffled with seed {state['seed']}, this run "
                               f"uses {self.seed}; resume with the same seed")
-        self._resume = {"epoch": int(state["epoch"]), "batches_done": int(state["batches_done"])}
+        self._resume = {"epoch": int(state["epoch"]), "samples_done": int(state["samples_done"])}
 
 
 def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,

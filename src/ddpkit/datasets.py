@@ -1,4 +1,4 @@
-"""Datasets that never download: scikit-learn's digits, CIFAR-10/100 files, image folders, synthetic.
+"""Datasets that never download: sklearn digits, CIFAR-10/100 files, image folders, synthetic.
 
 Items are ``(float32 CxHxW, int label)``; datasets expose num_classes, in_channels, image_size.
 """

@@ -4,7 +4,7 @@ Optional torchvision models are reachable as ``torchvision:<name>``; torchvision
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -284,10 +284,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def _numel(params: object) -> Tuple[int, int]:
+def _numel(params: Iterable[torch.Tensor]) -> Tuple[int, int]:
     """(trainable, frozen) element counts; lazy parameters are not yet sized, so count 0."""
     trainable = frozen = 0
-    for p in params:  # type: ignore[attr-defined]
+    for p in params:
         if isinstance(p, nn.parameter.UninitializedParameter):
             continue
         if p.requires_grad:

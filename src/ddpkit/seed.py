@@ -59,7 +59,10 @@ def rng_state() -> Dict[str, Any]:
     state: Dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        # Plain types and tensors only: checkpoints are loaded with weights_only=True.
+        state["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                          int(has_gauss), float(gauss)]
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -80,7 +83,8 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
     if "numpy" in state:
         import numpy as np
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 

@@ -1,0 +1,459 @@
+"""Checkpoint I/O: atomic saves on rank 0, keep-last-K pruning, safe loads, resume discovery.
+
+Loads use ``weights_only`` (a checkpoint can never run code) and verify each record's CRC32.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import warnings
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from . import comm
+from .errors import ConfigError, DDPKitError
+
+__all__ = ["checkpoint_name", "save_checkpoint", "load_checkpoint", "list_checkpoints",
+           "find_latest", "resolve_resume", "check_compatible", "check_optimizer_compatible",
+           "checkpoint_metadata", "FORMAT_VERSION", "LATEST"]
+
+PathLike = Union[str, Path]
+FORMAT_VERSION = 1
+LATEST = "latest"                        # pointer file holding the newest checkpoint's name
+_NAME = re.compile(r"ckpt-(\d+)\.pt")
+_TMP = re.compile(r"ckpt-(\d+)\.pt\.tmp")
+_CHUNK = 1 << 24
+_SHOWN = 5                               # keys named per category in mismatch messages
+# Exact types: subclasses (e.g. torch.__version__, a str subclass) pickle as refused globals.
+_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
+
+
+def checkpoint_name(step: int) -> str:
+    """File name of the checkpoint for ``step`` (zero-padded so names sort by step).
+
+    Example::
+
+        checkpoint_name(42)   # 'ckpt-000000042.pt'
+    """
+    return f"ckpt-{step:09d}.pt"
+
+
+# --------------------------------------------------------------------------- saving
+
+def save_checkpoint(state: Dict[str, Any], directory: PathLike, step: int,
+                    keep: int = 3) -> Optional[Path]:
+    """Write ``state`` as ``directory/ckpt-{step:09d}.pt`` on rank 0; call it on EVERY rank.
+
+    The write is atomic (temp file, fsync, rename), then the ``latest`` pointer is updated and
+    checkpoints older than the newest ``keep`` are deleted. Only rank 0's arguments are used.
+    If rank 0 fails, every rank raises :class:`DDPKitError` (none is left waiting).
+    Returns the new file's path on rank 0 and ``None`` on the other ranks.
+
+    Example::
+
+        save_checkpoint({"model": unwrap(model).state_dict(), "step": step}, "ckpt", step)
+    """
+    path: Optional[Path] = None
+    error: Optional[str] = None
+    raised: Optional[BaseException] = None
+    if comm.is_main():
+        try:
+            path = _save_on_main(state, Path(directory).expanduser(), step, keep)
+        except DDPKitError as exc:
+            error, raised = str(exc), exc
+        except Exception as exc:  # e.g. an unpicklable object: the other ranks must hear of it too
+            error, raised = f"saving checkpoint step {step} failed on rank 0: {exc!r}", exc
+    # Every rank reaches this collective, so a failure on rank 0 cannot strand the others.
+    error = comm.broadcast_object(error)
+    if error is not None:
+        if raised is not None:
+            raise raised
+        raise DDPKitError(error)
+    comm.barrier()
+    return path
+
+
+def _save_on_main(state: Dict[str, Any], directory: Path, step: int, keep: int) -> Path:
+    _check_save_args(state, step, keep)
+    final = directory / checkpoint_name(step)
+    previous: Optional[Path] = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        previous = _newest(directory)
+        _atomic_write(final, lambda f: torch.save(state, f),
+                      verify=lambda tmp: _refuse_unloadable(tmp, state))
+        _atomic_write(directory / LATEST, lambda f: f.write(f"{final.name}\n".encode()))
+    except OSError as exc:
+        kept = (f"the previous checkpoint {previous} is intact" if previous is not None
+                else f"there is no earlier checkpoint in {directory}")
+        raise DDPKitError(f"saving checkpoint {final} failed ({exc}); {kept}; fix the cause "
+                          "(disk space, permissions) before the next save") from exc
+    _prune(directory, final, keep)
+    return final
+
+
+def _check_save_args(state: Any, step: Any, keep: Any) -> None:
+    if not isinstance(state, dict):
+        raise ConfigError(f"checkpoint state must be a dict, got {type(state).__name__}; "
+                          "pass e.g. {'model': model.state_dict(), 'step': step}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"checkpoint step must be an integer >= 0, got {step!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ConfigError(f"keep must be an integer >= 1 (checkpoints to keep), got {keep!r}")
+
+
+def _newest(directory: Path) -> Optional[Path]:
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def _atomic_write(final: Path, write: Callable[[IO[bytes]], Any],
+                  verify: Optional[Callable[[Path], None]] = None) -> None:
+    # Readers see either the old file or the complete new one, never a partial write.
+    tmp = final.with_name(final.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if verify is not None:
+            verify(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(final.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; Windows cannot open a directory for fsync.
+    if os.name == "nt":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _refuse_unloadable(tmp: Path, state: Dict[str, Any]) -> None:
+    # Fail at save time on what load_checkpoint (weights_only) would refuse at resume time.
+    finder = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    unsafe = sorted(finder(str(tmp))) if finder is not None else []
+    if unsafe:
+        where = _first_unplain(state, "state")
+        at = f" at {where}" if where else ""
+        raise ConfigError(f"checkpoint state holds objects that load_checkpoint would refuse "
+                          f"({', '.join(unsafe[:3])}){at}; store only tensors, numbers, strings, "
+                          "lists and dicts (e.g. numpy arrays as torch tensors)")
+
+
+def _first_unplain(value: Any, where: str) -> Optional[str]:
+    # Best effort: name the first value that is neither a container nor a plain leaf.
+    if type(value) in (dict, OrderedDict):
+        items = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+    elif type(value) in (list, tuple):
+        items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        plain = isinstance(value, torch.Tensor) or type(value) in _PLAIN
+        return None if plain else f"{where} ({type(value).__name__})"
+    for sub, item in items:
+        found = _first_unplain(item, sub)
+        if found:
+            return found
+    return None
+
+
+def _prune(directory: Path, final: Path, keep: int) -> None:
+    step = _step_of(final)
+    # Only older checkpoints count: a higher step (from an abandoned run) is never deleted.
+    older = [p for p in list_checkpoints(directory) if _step_of(p) <= step and p != final]
+    doomed = older[:max(0, len(older) - (keep - 1))]
+    doomed += [p for p in directory.iterdir()            # torn writes left by a crash
+               if (m := _TMP.fullmatch(p.name)) and int(m.group(1)) < step]
+    for path in doomed:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            warnings.warn(f"could not delete old checkpoint {path} ({exc}); delete it by hand",
+                          stacklevel=3)
+
+
+# --------------------------------------------------------------------------- loading
+
+def load_checkpoint(path: PathLike, map_location: Any = None, *, verify: bool = True) -> dict:
+    """Load a checkpoint safely: ``weights_only`` (never runs code), on CPU unless told otherwise.
+
+    Raises :class:`ConfigError` if the file is missing, truncated or corrupted (each record's
+    CRC32 is checked first unless ``verify=False``), or holds objects the safe loader refuses.
+
+    Example::
+
+        state = load_checkpoint("ckpt/ckpt-000001000.pt")
+        model.load_state_dict(state["model"])
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"checkpoint {path} {what}; check the path")
+    verified = verify and _verify_records(path)
+    try:
+        state = torch.load(path, map_location=map_location or "cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ConfigError(_refused(path, exc)) from None
+    except PermissionError as exc:
+        raise ConfigError(f"checkpoint {path} cannot be read ({exc.strerror}); "
+                          "fix its permissions") from None
+    except Exception as exc:
+        if verified:  # the bytes are intact, so this is not corruption (e.g. a bad map_location)
+            raise
+        raise ConfigError(_unreadable(path, exc)) from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"checkpoint {path} holds a {type(state).__name__}, not a dict; "
+                          "it was not written by save_checkpoint")
+    return state
+
+
+def _verify_records(path: Path) -> bool:
+    """Check every zip record's CRC32 (torch.load does not); False for non-zip (legacy) files."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.CRC == 0:  # written with torch's crc32 turned off: nothing to compare
+                    continue
+                with archive.open(info) as f:
+                    while f.read(_CHUNK):  # zipfile raises BadZipFile on a CRC mismatch at EOF
+                        pass
+    except PermissionError:
+        return False  # let torch.load report it
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError,
+            NotImplementedError) as exc:
+        raise ConfigError(_unreadable(path, exc)) from None
+    return True
+
+
+def _short(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0].split(". ")[0] if lines else ""
+    text = text if len(text) <= 120 else text[:117] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _unreadable(path: Path, exc: BaseException) -> str:
+    return f"checkpoint {path} is unreadable (truncated or corrupted): {_short(exc)}"
+
+
+def _refused(path: Path, exc: BaseException) -> str:
+    # torch buries the reason in a long message: pull out the blocked global or the parser error.
+    text = str(exc)
+    blocked = re.search(r"GLOBAL ([\w.]+)", text)
+    detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+    why = (f"it needs {blocked.group(1)}, which the safe loader does not allow" if blocked
+           else detail.group(1).strip()[:120] if detail else _short(exc))
+    return (f"checkpoint {path} was refused by the safe (weights_only) loader and never "
+            f"executed: {why}; load only checkpoints written by save_checkpoint")
+
+
+def list_checkpoints(directory: PathLike) -> List[Path]:
+    """The ``ckpt-*.pt`` files in ``directory``, oldest step first (``.tmp`` files are ignored).
+
+    Example::
+
+        list_checkpoints("ckpt")   # [.../ckpt-000000500.pt, .../ckpt-000001000.pt]
+    """
+    directory = Path(directory).expanduser()
+    if not directory.exists():
+        return []
+    if not directory.is_dir():
+        raise ConfigError(f"checkpoint directory {directory} is a file; pass a directory")
+    found = [(int(m.group(1)), p.name, p) for p in directory.iterdir()
+             if (m := _NAME.fullmatch(p.name)) and p.is_file()]
+    return [p for _, _, p in sorted(found)]
+
+
+def _step_of(path: Path) -> int:
+    match = _NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def find_latest(directory: PathLike,
+                map_location: Any = None) -> Optional[Tuple[Path, dict]]:
+    """The newest loadable checkpoint in ``directory`` and its state, or ``None`` if there is none.
+
+    Tries the ``latest`` pointer first, then every checkpoint newest first; unreadable ones
+    (torn, corrupted, refused) are skipped with a warning. Raises :class:`ConfigError` when
+    checkpoints exist but none of them loads (rather than silently starting over).
+
+    Example::
+
+        found = find_latest("ckpt")
+        if found:
+            path, state = found
+    """
+    directory = Path(directory).expanduser()
+    files = list_checkpoints(directory)
+    pointed = _pointer_target(directory) if files else None
+    order = ([pointed] if pointed else []) + [p for p in reversed(files) if p != pointed]
+    for path in order:
+        try:
+            return path, load_checkpoint(path, map_location)
+        except ConfigError as exc:
+            warnings.warn(f"{exc}; skipping it", stacklevel=2)
+    if files:
+        raise ConfigError(f"none of the {len(files)} checkpoints in {directory} could be loaded "
+                          "(see the warnings); move them away to start fresh")
+    return None
+
+
+def _pointer_target(directory: Path) -> Optional[Path]:
+    pointer = directory / LATEST
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        warnings.warn(f"ignoring unreadable {pointer} ({exc}); scanning for checkpoints",
+                      stacklevel=3)
+        return None
+    if not _NAME.fullmatch(name):  # also refuses paths that would leave the directory
+        warnings.warn(f"ignoring {pointer}: {name[:60]!r} is not a checkpoint name; scanning "
+                      "for checkpoints", stacklevel=3)
+        return None
+    return directory / name
+
+
+def resolve_resume(resume: Optional[PathLike], directory: PathLike,
+                   map_location: Any = None) -> Optional[Tuple[Path, dict]]:
+    """Turn a ``--resume`` value into ``(path, state)``, or ``None`` to start fresh.
+
+    ``None``/``""``: no resume. ``"auto"``: the newest checkpoint in ``directory`` if any.
+    A file path loads that file; a directory path loads its newest checkpoint. An explicit
+    path that does not exist or holds nothing raises :class:`ConfigError`.
+
+    Example::
+
+        found = resolve_resume(args.resume, args.checkpoint_dir)
+        if found is None:
+            print0("starting fresh")
+    """
+    if resume is None or str(resume) == "":
+        return None
+    if str(resume) == "auto":
+        return find_latest(directory, map_location)
+    path = Path(resume).expanduser()
+    if not path.is_dir():
+        return path, load_checkpoint(path, map_location)
+    found = find_latest(path, map_location)
+    if found is None:
+        raise ConfigError(f"resume directory {path} holds no checkpoint (ckpt-*.pt); pass a "
+                          "checkpoint file, or 'auto' to start fresh when there is none")
+    return found
+
+
+# --------------------------------------------------------------------------- compatibility
+
+def check_compatible(model_state: Dict[str, Any], current: Any, what: str = "model") -> None:
+    """Raise :class:`ConfigError` unless the checkpoint's state_dict fits ``current`` exactly.
+
+    ``current`` is this run's ``module.state_dict()`` (or the module). The message names up
+    to five missing keys, unexpected keys and shape mismatches.
+
+    Example::
+
+        check_compatible(state["model"], unwrap(model).state_dict())
+    """
+    if hasattr(current, "state_dict"):
+        current = current.state_dict()
+    if not isinstance(model_state, dict):
+        raise ConfigError(f"checkpoint {what} state is a {type(model_state).__name__}, not a "
+                          f"state_dict; save {what}.state_dict() in the checkpoint")
+    missing = [k for k in current if k not in model_state]
+    unexpected = [k for k in model_state if k not in current]
+    shapes = _shape_mismatches(model_state, current, what)
+    if not (missing or unexpected or shapes):
+        return
+    parts = [f"{label}: {_some(items)}" for label, items in
+             (("missing keys", missing), ("unexpected keys", unexpected),
+              ("shape mismatches", shapes)) if items]
+    hint = _prefix_hint(missing, unexpected)
+    raise ConfigError(f"checkpoint {what} does not fit this run's {what} (the checkpoint is "
+                      f"from a different {what}): {'; '.join(parts)}{hint}; build the same "
+                      f"{what} as the run that saved it, or start fresh")
+
+
+def _shape_mismatches(saved: Dict[str, Any], current: Dict[str, Any], what: str) -> List[str]:
+    out = []
+    for key, value in current.items():
+        ours, theirs = _shape(value), _shape(saved.get(key))
+        if ours is not None and theirs is not None and ours != theirs:
+            out.append(f"{key}: checkpoint {theirs} vs {what} {ours}")
+    return out
+
+
+def _shape(value: Any) -> Optional[Tuple[int, ...]]:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _some(items: List[str]) -> str:
+    more = f" (+{len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
+    return ", ".join(items[:_SHOWN]) + more
+
+
+def _prefix_hint(missing: List[str], unexpected: List[str]) -> str:
+    # The commonest cause: one side was saved/loaded through the DDP wrapper ("module." keys).
+    if missing and unexpected and _unprefixed(missing) == _unprefixed(unexpected):
+        return " (only the DDP 'module.' prefix differs: use ddpkit.unwrap(model) on both sides)"
+    return ""
+
+
+def _unprefixed(keys: List[str]) -> List[str]:
+    return sorted(k[len("module."):] if k.startswith("module.") else k for k in keys)
+
+
+def check_optimizer_compatible(opt_state: Dict[str, Any],
+                               optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`ConfigError` unless param groups and params per group match ``optimizer``.
+
+    Example::
+
+        check_optimizer_compatible(state["optimizer"], optimizer)
+        optimizer.load_state_dict(state["optimizer"])
+    """
+    groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
+    if not isinstance(groups, list):
+        raise ConfigError("checkpoint optimizer state has no 'param_groups'; save "
+                          "optimizer.state_dict() there")
+    saved = [len(g.get("params", [])) for g in groups]
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != ours:
+        raise ConfigError(f"checkpoint optimizer has {_groups(saved)}; this run's optimizer has "
+                          f"{_groups(ours)}; build the optimizer the same way as the saved run")
+
+
+def _groups(counts: List[int]) -> str:
+    noun = "param group" if len(counts) == 1 else "param groups"
+    return f"{len(counts)} {noun} with {', '.join(map(str, counts)) or 'no'} params"
+
+
+def checkpoint_metadata() -> Dict[str, Any]:
+    """Versions to store in a checkpoint so a later run can tell what wrote it.
+
+    Example::
+
+        state["meta"] = checkpoint_metadata()   # {'ddpkit': '0.1.0', 'torch': ..., 'format': 1}
+    """
+    from . import __version__  # lazy: ddpkit/__init__.py may import this module
+
+    # str(): torch.__version__ is a TorchVersion, which the weights_only loader refuses.
+    return {"ddpkit": __version__, "torch": str(torch.__version__), "format": FORMAT_VERSION}

@@ -1,0 +1,123 @@
+"""Rank-0 logging: start-up banner, metrics as JSONL (and TensorBoard when installed), progress bar.
+
+Every function here is safe to call on all ranks; only rank 0 writes or prints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, Iterable, Iterator, Optional, TypeVar
+
+import torch
+
+from . import comm
+
+__all__ = ["banner", "RunLogger", "progress"]
+
+T = TypeVar("T")
+
+
+def banner(env: Any, device: torch.device, backend: Optional[str]) -> str:
+    """Lightning-style start-up lines for every rank, printed once by rank 0; returns the text.
+
+    Collective: every rank must call it.
+
+    Example::
+
+        banner(rt.env, rt.device, rt.backend)
+        # Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2 (local rank 0, device cpu)
+    """
+    me = {"rank": env.rank, "local": env.local_rank, "node": env.node_rank, "device": str(device),
+          "host": os.uname().nodename, "threads": torch.get_num_threads()}
+    everyone = comm.gather_object(me)
+    lines = [f"Initializing distributed: GLOBAL_RANK: {r['rank']}, MEMBER: {r['rank'] + 1}/"
+             f"{env.world_size} (node {r['node']} {r['host']}, local rank {r['local']}, "
+             f"device {r['device']}, {r['threads']} threads)" for r in everyone]
+    sep = "-" * 80
+    lines += [sep, f"distributed_backend={backend or 'none'} launcher={env.launcher}",
+              f"All distributed processes registered. Starting with {env.world_size} processes",
+              sep]
+    text = "\n".join(lines)
+    comm.print0(text)
+    return text
+
+
+class RunLogger:
+    """Metrics to ``<run_dir>/metrics.jsonl`` (one JSON object a line) and TensorBoard, rank 0 only.
+
+    Example::
+
+        log = RunLogger("runs/exp1")
+        log.log({"train/loss": 0.42}, step=100)
+        log.close()
+    """
+
+    def __init__(self, run_dir: str, tensorboard: bool = True) -> None:
+        self.enabled = comm.is_main()
+        self._file = None
+        self._tb = None
+        if not self.enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            except ImportError:  # tensorboard is an optional extra
+                self._tb = None
+
+    def log(self, metrics: Dict[str, Any], step: int) -> None:
+        """Append one record; numeric values also go to TensorBoard."""
+        if not self.enabled or self._file is None:
+            return
+        record = {"step": step, "time": round(time.time(), 3), **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+class _Plain:
+    """Stands in for a tqdm bar where none is shown."""
+
+    def __init__(self, iterable: Iterable[T]) -> None:
+        self.iterable = iterable
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.iterable)
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(iterable: Iterable[T], total: Optional[int], desc: str, enabled: bool = True) -> Any:
+    """A tqdm bar on rank 0 when stderr is a terminal; a plain wrapper otherwise.
+
+    Both have ``set_postfix`` and ``close``.
+
+    Example::
+
+        bar = progress(loader, len(loader), "epoch 1")
+        for batch in bar:
+            bar.set_postfix(loss=0.1)
+    """
+    if not (enabled and comm.is_main() and sys.stderr.isatty()):
+        return _Plain(iterable)
+    from tqdm.auto import tqdm
+    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)

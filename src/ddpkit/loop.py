@@ -1,0 +1,323 @@
+"""A small training loop: ``fit`` runs epochs with accumulation, precision, eval and checkpoints.
+
+Composable rather than a god object: it takes the pieces (runtime, model, optimizer, loader,
+precision, scheduler, logger, hooks) that users can also drive by hand.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import comm
+from .accumulate import Accumulator
+from .checkpoint import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
+                         resolve_resume, save_checkpoint)
+from .data import DistributedLoader
+from .errors import DDPKitError
+from .log import RunLogger, progress
+from .precision import Precision
+from .runtime import Runtime
+from .seed import rng_state, set_rng_state
+from .wrap import unwrap
+
+__all__ = ["TrainState", "CheckpointPolicy", "Hook", "fit"]
+
+
+@dataclass
+class TrainState:
+    """Progress of a run: completed epochs, optimizer steps, best metric, per-epoch history.
+
+    Example::
+
+        state = fit(...); print(state.best, state.history[-1])
+    """
+
+    epoch: int = 0
+    step: int = 0
+    best: Optional[float] = None
+    best_epoch: Optional[int] = None
+    history: List[Dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointPolicy:
+    """Where and when to checkpoint, and what to resume from (``"auto"`` or a path).
+
+    Example::
+
+        CheckpointPolicy("runs/exp1/checkpoints", every_steps=100, resume="auto")
+    """
+
+    directory: str
+    every_steps: int = 0
+    every_minutes: float = 0.0
+    every_epoch: bool = True
+    keep: int = 3
+    resume: Optional[str] = None
+
+
+class Hook:
+    """Override any of these to observe or extend the loop; ``loop`` is the running fit.
+
+    Example::
+
+        class PrintLR(Hook):
+            def on_epoch_end(self, loop, metrics):
+                print(loop.optimizer.param_groups[0]["lr"])
+    """
+
+    def on_fit_start(self, loop: "_Fit") -> None: ...
+    def on_step_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
+    def on_epoch_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
+    def on_fit_end(self, loop: "_Fit") -> None: ...
+
+
+class _Fit:
+    """One call of :func:`fit`: the state and the steps of the loop, kept out of the user's way."""
+
+    def __init__(self, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loader: DistributedLoader, opts: Dict[str, Any]) -> None:
+        self.rt, self.model, self.optimizer, self.loader, self.o = rt, model, optimizer, loader, opts
+        self.precision: Precision = opts["precision"] or Precision("fp32", rt.device)
+        self.acc = Accumulator(model, optimizer, self.precision, opts["accum_steps"],
+                               opts["clip_norm"], skip_nonfinite=opts["skip_nonfinite"])
+        self.state = TrainState()
+        self.logger: Optional[RunLogger] = opts["logger"]
+        self.ckpt: Optional[CheckpointPolicy] = opts["checkpoint"]
+        self.loss_fn: Callable[..., torch.Tensor] = opts["loss_fn"] or nn.functional.cross_entropy
+        self.resumed_mid_epoch = False
+        self._epoch_done = False
+        self._last_ckpt_time = time.monotonic()
+
+    # ------------------------------------------------------------------ checkpoints
+    def run_state(self) -> Dict[str, Any]:
+        sched = self.o["scheduler"]
+        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": sched.state_dict() if sched is not None else None,
+                "precision": self.precision.state_dict(), "loader": self.loader.state_dict(),
+                "progress": {"epoch": self.state.epoch, "step": self.state.step,
+                             "best": self.state.best, "best_epoch": self.state.best_epoch,
+                             "mid_epoch": self.loader.batches_done > 0 and not self._epoch_done},
+                "history": self.state.history, "rng": comm.gather_object(rng_state()),
+                "world_size": self.rt.world_size, "config": self.o["config"],
+                "meta": checkpoint_metadata()}
+
+    def save(self) -> None:
+        if self.ckpt is not None:
+            save_checkpoint(self.run_state(), self.ckpt.directory, self.state.step, self.ckpt.keep)
+            self._last_ckpt_time = time.monotonic()
+
+    def restore(self) -> None:
+        if self.ckpt is None or not self.ckpt.resume:
+            return
+        found = resolve_resume(self.ckpt.resume, self.ckpt.directory)
+        if found is None:
+            comm.print0(f"no checkpoint in {self.ckpt.directory}: starting fresh")
+            return
+        path, ckpt = found
+        net = unwrap(self.model)
+        check_compatible(ckpt["model"], net.state_dict())
+        check_optimizer_compatible(ckpt["optimizer"], self.optimizer)
+        net.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        if self.o["scheduler"] is not None and ckpt.get("scheduler"):
+            self.o["scheduler"].load_state_dict(ckpt["scheduler"])
+        self.precision.load_state_dict(ckpt["precision"])
+        self._restore_progress(ckpt)
+        comm.print0(f"resumed from {path} (epoch {self.state.epoch}, step {self.state.step}"
+                    f"{', mid-epoch' if self.resumed_mid_epoch else ''})")
+
+    def _restore_progress(self, ckpt: Dict[str, Any]) -> None:
+        p = ckpt["progress"]
+        self.state = TrainState(p["epoch"], p["step"], p["best"], p["best_epoch"],
+                                list(ckpt.get("history", [])))
+        self.resumed_mid_epoch = bool(p["mid_epoch"])
+        if self.resumed_mid_epoch:
+            self.loader.load_state_dict(ckpt["loader"])
+        same_world = ckpt.get("world_size") == self.rt.world_size
+        if same_world:  # per-rank RNG streams only make sense for the same ranks
+            set_rng_state(ckpt["rng"][self.rt.rank])
+        else:
+            comm.print0(f"warning: checkpoint from {ckpt.get('world_size')} processes resumed "
+                        f"on {self.rt.world_size}: the interrupted epoch continues without loss "
+                        "or repetition of samples, but RNG streams and batch composition differ")
+
+    def _checkpoint_due(self) -> bool:
+        if self.ckpt is None:
+            return False
+        due = bool(self.ckpt.every_steps) and self.state.step % self.ckpt.every_steps == 0
+        if self.ckpt.every_minutes > 0:
+            # Rank 0's clock decides, so all ranks enter the (collective) save together.
+            late = time.monotonic() - self._last_ckpt_time >= 60 * self.ckpt.every_minutes
+            due = due or bool(comm.broadcast_object(late))
+        return due
+
+    # ------------------------------------------------------------------ training
+    def _forward_backward(self, batch: Sequence[torch.Tensor], last: bool) -> torch.Tensor:
+        x, y = self.rt.to_device(*batch[:2])
+        if self.o["channels_last"] and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with self.acc.micro_step(last=last):
+            with self.precision.autocast():
+                loss = self.loss_fn(self.model(x), y)
+            if not math.isfinite(loss.item()) and not self.o["skip_nonfinite"]:
+                raise DDPKitError(
+                    f"loss is {loss.item()} at step {self.state.step + 1} (epoch "
+                    f"{self.state.epoch + 1}); lower --lr, set --clip-grad, or pass "
+                    "--skip-nonfinite to skip such steps")
+            self.acc.backward(loss)
+        return loss.detach()
+
+    def train_epoch(self) -> Dict[str, float]:
+        self._epoch_done = False
+        if not self.resumed_mid_epoch:
+            self.loader.set_epoch(self.state.epoch)
+        self.resumed_mid_epoch = False
+        self.model.train()
+        loss_sum, seen, start = torch.zeros((), dtype=torch.float64), 0, time.perf_counter()
+        bar = progress(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
+                       self.o["progress"])
+        for batch in bar:
+            loss = self._forward_backward(batch, self.loader.at_last_batch)
+            n = batch[0].shape[0]
+            loss_sum += float(loss) * n
+            seen += n
+            if self.acc.stepped:
+                self._after_optimizer_step(float(loss), bar)
+                if self._stop():
+                    break
+        bar.close()
+        self._epoch_done = True
+        return self._epoch_metrics(loss_sum, seen, time.perf_counter() - start)
+
+    def _after_optimizer_step(self, loss: float, bar: Any) -> None:
+        self.state.step += 1
+        if self.o["scheduler"] is not None and self.o["scheduler_interval"] == "step":
+            self.o["scheduler"].step()
+        metrics = {"train/loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.acc.grad_norm is not None:
+            metrics["train/grad_norm"] = self.acc.grad_norm
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.3g}")
+        if self.logger is not None and self.state.step % self.o["log_every"] == 0:
+            self.logger.log(metrics, self.state.step)
+        for hook in self.o["hooks"]:
+            hook.on_step_end(self, metrics)
+        if self._checkpoint_due():
+            self.save()
+
+    def _stop(self) -> bool:
+        return self.o["max_steps"] is not None and self.state.step >= self.o["max_steps"]
+
+    def _epoch_metrics(self, loss_sum: torch.Tensor, seen: int, seconds: float) -> Dict[str, float]:
+        totals = comm.reduce(torch.tensor([float(loss_sum), seen], dtype=torch.float64), "sum")
+        wall = comm.reduce(seconds, "max")  # the slowest rank sets the pace
+        count = int(totals[1])
+        steps = max(1, math.ceil(len(self.loader) / self.acc.steps))
+        return {"train/loss": float(totals[0]) / max(count, 1), "train/samples": count,
+                "train/samples_per_s": count / max(wall, 1e-9), "train/step_ms":
+                1000 * wall / steps, "train/epoch_s": wall}
+
+    def evaluate(self) -> Dict[str, float]:
+        if self.o["eval_data"] is None:
+            return {}
+        result = self.rt.evaluate(self.model, self.o["eval_data"],
+                                  batch_size=self.o["eval_batch_size"], loss_fn=self.loss_fn,
+                                  precision=self.precision, channels_last=self.o["channels_last"])
+        return {f"eval/{k}": v for k, v in result.items()}
+
+    def run(self) -> TrainState:
+        self.restore()
+        for hook in self.o["hooks"]:
+            hook.on_fit_start(self)
+        while self.state.epoch < self.o["epochs"] and not self._stop():
+            metrics = self.train_epoch()
+            if self._stop() and not self._epoch_finished():
+                break
+            self._end_epoch(metrics)
+        for hook in self.o["hooks"]:
+            hook.on_fit_end(self)
+        if self.logger is not None:
+            self.logger.close()
+        return self.state
+
+    def _epoch_finished(self) -> bool:
+        return self.loader.at_last_batch
+
+    def _end_epoch(self, metrics: Dict[str, float]) -> None:
+        self.state.epoch += 1
+        every = self.o["eval_every"]
+        if (every and self.state.epoch % every == 0) or self.state.epoch == self.o["epochs"]:
+            metrics.update(self.evaluate())
+        if self.o["scheduler"] is not None and self.o["scheduler_interval"] == "epoch":
+            self.o["scheduler"].step()
+        self._track_best(metrics)
+        metrics["epoch"] = self.state.epoch
+        self.state.history.append(metrics)
+        comm.print0(format_epoch(metrics, self.o["epochs"]))
+        if self.logger is not None:
+            self.logger.log(metrics, self.state.step)
+        for hook in self.o["hooks"]:
+            hook.on_epoch_end(self, metrics)
+        if self.ckpt is not None and self.ckpt.every_epoch:
+            self.save()
+
+    def _track_best(self, metrics: Dict[str, float]) -> None:
+        value = metrics.get(f"eval/{self.o['monitor']}")
+        if value is not None and (self.state.best is None or value > self.state.best):
+            self.state.best, self.state.best_epoch = value, self.state.epoch
+            metrics["best"] = value
+
+
+def format_epoch(m: Dict[str, float], epochs: int) -> str:
+    """One line per epoch: loss, accuracy, throughput.
+
+    Example::
+
+        format_epoch({"epoch": 1, "train/loss": 0.5}, 10)   # 'epoch 1/10  loss 0.5000'
+    """
+    parts = [f"epoch {m['epoch']}/{epochs}", f"loss {m['train/loss']:.4f}"]
+    if "eval/top1" in m:
+        parts.append(f"eval loss {m['eval/loss']:.4f}  top1 {m['eval/top1']:.2f}%  "
+                     f"top5 {m.get('eval/top5', float('nan')):.2f}%  ({m['eval/count']} samples)")
+    if "train/samples_per_s" in m:
+        parts.append(f"{m['train/samples_per_s']:.0f} samples/s  step {m['train/step_ms']:.1f} ms")
+    return "  ".join(parts)
+
+
+def fit(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
+        loader: DistributedLoader, *, epochs: int, loss_fn: Optional[Callable] = None,
+        precision: Optional[Precision] = None, accum_steps: int = 1,
+        clip_norm: Optional[float] = None, scheduler: Any = None,
+        scheduler_interval: str = "epoch", eval_data: Any = None, eval_every: int = 1,
+        eval_batch_size: int = 256, monitor: str = "top1", logger: Optional[RunLogger] = None,
+        checkpoint: Optional[CheckpointPolicy] = None, hooks: Sequence[Hook] = (),
+        max_steps: Optional[int] = None, skip_nonfinite: bool = False,
+        channels_last: bool = False, log_every: int = 20, progress: bool = True,
+        config: Optional[Dict[str, Any]] = None) -> TrainState:
+    """Train ``model`` for ``epochs`` epochs on every rank; returns the :class:`TrainState`.
+
+    The loader's epochs are set by the loop (resume-aware); evaluation is exact; with a
+    ``checkpoint`` policy the run can be killed and resumed bit-exactly.
+
+    Example::
+
+        rt = ddpkit.setup(seed=0)
+        model = rt.wrap(Net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = fit(rt, model, opt, rt.loader(train_set, 256), epochs=5, eval_data=test_set,
+                    precision=Precision("bf16", rt.device), accum_steps=2)
+    """
+    if scheduler_interval not in ("step", "epoch"):
+        raise DDPKitError(f"scheduler_interval must be 'step' or 'epoch', not {scheduler_interval!r}")
+    opts = dict(epochs=epochs, loss_fn=loss_fn, precision=precision, accum_steps=accum_steps,
+                clip_norm=clip_norm, scheduler=scheduler, scheduler_interval=scheduler_interval,
+                eval_data=eval_data, eval_every=eval_every, eval_batch_size=eval_batch_size,
+                monitor=monitor, logger=logger, checkpoint=checkpoint, hooks=list(hooks),
+                max_steps=max_steps, skip_nonfinite=skip_nonfinite, channels_last=channels_last,
+                log_every=max(1, log_every), progress=progress, config=config or {})
+    return _Fit(rt, model, optimizer, loader, opts).run()

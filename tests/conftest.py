@@ -1,0 +1,25 @@
+"""Shared fixtures: fail a test that leaks launcher variables or a process group."""
+import os
+
+import pytest
+import torch.distributed as tdist
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    yield
+    after = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    assert before == after, f"test leaked launcher variables: {before} -> {after}"
+    assert not tdist.is_initialized(), "test left a process group behind"
+
+
+@pytest.fixture
+def env_without_launcher(monkeypatch):
+    """os.environ without any launcher or Slurm variables."""
+    for key in list(os.environ):
+        if key in LAUNCH_VARS or key.startswith(("SLURM_", "TORCHELASTIC_")):
+            monkeypatch.delenv(key)
+    return os.environ
