@@ -85,3 +85,57 @@ def raise_on_rank(bad_rank: int):
         raise ValueError(f"boom on rank {bad_rank}")
     rt.barrier()  # the healthy ranks wait here: the launcher must stop them, not hang
     return "unreachable"
+
+
+def _counting_allreduce(state, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    state["calls"] += 1
+    return allreduce_hook(None, bucket)
+
+
+def accumulate_run(accum: int, opt_steps: int, micro: int, use_no_sync: bool = True):
+    """Parameters after `opt_steps` optimizer steps of `accum` micro-steps, and all-reduce count."""
+    from ddpkit.accumulate import Accumulator
+
+    rt = ddpkit.setup()
+    model = rt.wrap(tiny_model(), bucket_cap_mb=1024)
+    counter = {"calls": 0}
+    model.register_comm_hook(counter, _counting_allreduce)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, opt, steps=accum)
+    if not use_no_sync:
+        acc.model = rt.unwrap(model)  # the naive way: DDP syncs on every backward
+    n = rt.world_size
+    x, y = full_batch(n * accum * micro * opt_steps, seed=5)
+    for step in range(opt_steps):
+        for k in range(accum):
+            block = (step * accum + k) * n + rt.rank
+            sl = slice(block * micro, (block + 1) * micro)
+            with acc.micro_step():
+                acc.backward(nn.functional.cross_entropy(model(x[sl]), y[sl]))
+    return {"params": [p.detach().clone() for p in rt.unwrap(model).parameters()],
+            "allreduce_calls": counter["calls"], "optimizer_steps": acc.optimizer_steps}
+
+
+def sync_bn_on_cpu():
+    rt = ddpkit.setup()
+    try:
+        rt.wrap(nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6)), sync_bn=True)
+    except ddpkit.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def fit_run(epochs: int, global_batch: int, seed: int = 0):
+    """Train the tiny model with ddpkit.fit; final parameters and history (same on any world size)."""
+    from ddpkit.loop import fit
+
+    rt = ddpkit.setup(seed=seed)
+    x, y = full_batch(203, seed=11)  # odd size: the last batch is partial
+    data = torch.utils.data.TensorDataset(x, y)
+    model = rt.wrap(tiny_model(seed))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    loader = rt.loader(data, batch_size=global_batch, seed=seed, drop_last=True)
+    state = fit(rt, model, opt, loader, epochs=epochs, eval_data=data, progress=False)
+    return {"params": [p.detach().clone() for p in rt.unwrap(model).parameters()],
+            "history": state.history, "steps": state.step}

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.launch import LaunchError
+from ddpkit.launchers import LaunchError
 
 import rankfns
 
@@ -68,3 +68,47 @@ def test_failing_rank_stops_everyone_with_its_traceback():
 def test_timeout_stops_all_ranks():
     with pytest.raises(TimeoutError):
         ddpkit.launch(time.sleep, 2, 600, timeout=3)
+
+
+def _reference_accumulation(world, accum, opt_steps, micro):
+    """One process, one optimizer step per global batch of world*accum*micro samples."""
+    model = rankfns.tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = rankfns.full_batch(world * accum * micro * opt_steps, seed=5)
+    per_step = world * accum * micro
+    for step in range(opt_steps):
+        sl = slice(step * per_step, (step + 1) * per_step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def test_accumulation_matches_full_batch_and_reduces_once_per_step():
+    acc = ddpkit.launch(rankfns.accumulate_run, 2, 4, 3, 2, timeout=120)
+    plain = ddpkit.launch(rankfns.accumulate_run, 2, 1, 3, 8, timeout=120)
+    naive = ddpkit.launch(rankfns.accumulate_run, 2, 4, 3, 2, False, timeout=120)
+    reference = _reference_accumulation(2, 4, 3, 2)
+    for got, want in zip(acc["params"], reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert acc["optimizer_steps"] == 3
+    # one round of gradient all-reduce per optimizer step, as without accumulation ...
+    assert plain["allreduce_calls"] >= 3
+    assert acc["allreduce_calls"] == plain["allreduce_calls"]
+    # ... while the naive way (no no_sync) reduces on every micro-step
+    assert naive["allreduce_calls"] == 4 * acc["allreduce_calls"]
+
+
+def test_sync_batchnorm_on_cpu_is_refused_clearly():
+    message = ddpkit.launch(rankfns.sync_bn_on_cpu, 2, timeout=120)
+    assert message and "SyncBatchNorm needs GPUs" in message and "--sync-bn" in message
+
+
+def test_two_processes_train_the_same_model_as_one():
+    two = ddpkit.launch(rankfns.fit_run, 2, 3, 20, timeout=180)
+    one = rankfns.fit_run(3, 20)
+    assert two["steps"] == one["steps"] == 3 * (203 // 20)
+    for got, want in zip(two["params"], one["params"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert two["history"][-1]["eval/count"] == one["history"][-1]["eval/count"] == 203
+    assert two["history"][-1]["eval/top1"] == pytest.approx(one["history"][-1]["eval/top1"], abs=0.5)

@@ -16,7 +16,7 @@ from .data import DistributedLoader, make_loader
 from .env import ClusterEnv, detect
 from .errors import ConfigError, DDPKitError
 from .evaluate import evaluate
-from .launch import launch
+from .launchers import launch
 from .precision import Precision
 from .runtime import Runtime, setup
 from .seed import seed_everything

@@ -36,7 +36,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from .launch import RunConfig, run
+    from .launchers import RunConfig, run
 
     cfg = RunConfig(script=ns.script, script_args=ns.script_args, nproc=ns.nproc,
                     nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,

@@ -96,10 +96,21 @@ def _type_of(name: str) -> Any:
     return args[0] if args else hint
 
 
+def _optional(key: str) -> bool:
+    return type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[key])
+
+
 def _coerce(key: str, value: Any) -> Any:
-    if value is None:
-        return None
     want = _type_of(key)
+    if value is None:
+        if _optional(key):
+            return None
+        raise ConfigError(f"config key {key!r} must not be empty (null); give a {want.__name__}")
+    if want is float and isinstance(value, str):
+        try:  # YAML reads 1e-3 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if want is bool and not isinstance(value, bool):

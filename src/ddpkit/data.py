@@ -29,9 +29,9 @@ def per_rank_batch_size(global_batch: int, world_size: int) -> int:
     if global_batch < 1:
         raise ConfigError(f"batch size must be >= 1, got {global_batch}")
     if global_batch % world_size:
-        lo = global_batch - global_batch % world_size
+        lo = global_batch - global_batch % world_size or world_size
         raise ConfigError(f"global batch size {global_batch} is not divisible by world size "
-                          f"{world_size}; use a multiple such as {lo or world_size} or "
+                          f"{world_size}; use a multiple such as {lo} or "
                           f"{lo + world_size}, or give a per-rank batch size")
     return global_batch // world_size
 
@@ -107,8 +107,8 @@ class ShardSampler(Sampler[int]):
         return self.end - self.begin
 
 
-def worker_seed(base_seed: int, rank: int, worker_id: int) -> int:
-    """Seed for one data-loader worker: differs per rank and per worker.
+def worker_seed(base_seed: int, rank: int, worker_id: int, epoch: int = 0) -> int:
+    """Seed for one data-loader worker: differs per rank, per worker and per epoch.
 
     Identical augmentation on every rank (FIELD-NOTES 3.15) wastes the extra data the ranks see.
 
@@ -116,17 +116,17 @@ def worker_seed(base_seed: int, rank: int, worker_id: int) -> int:
 
         worker_seed(42, rank=1, worker_id=0)
     """
-    return (base_seed * 1_000_003 + rank * 10_007 + worker_id * 101) % (2 ** 63)
+    return (base_seed * 1_000_003 + rank * 10_007 + worker_id * 101 + epoch * 7_919) % (2 ** 63)
 
 
 class _WorkerInit:
     """Picklable worker initialiser (spawned workers need a top-level callable)."""
 
-    def __init__(self, seed: int, rank: int) -> None:
-        self.seed, self.rank = seed, rank
+    def __init__(self, seed: int, rank: int, epoch: int) -> None:
+        self.seed, self.rank, self.epoch = seed, rank, epoch
 
     def __call__(self, worker_id: int) -> None:
-        s = worker_seed(self.seed, self.rank, worker_id)
+        s = worker_seed(self.seed, self.rank, worker_id, self.epoch)
         torch.manual_seed(s)
         random.seed(s)
         try:
@@ -171,10 +171,11 @@ class DistributedLoader:
     def _dataloader(self) -> DataLoader:
         if self._loader is not None:
             return self._loader
-        # With persistent workers (the default when num_workers > 0) the workers are seeded once
-        # by (seed, rank, worker id) and kept across epochs; the sampler runs in this process.
+        # Workers are seeded by (seed, rank, worker id, epoch). Persistent workers (the default
+        # when num_workers > 0) are seeded once and keep their streams across epochs; the
+        # sampler always runs in this process, so set_epoch reaches it either way.
         loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler,
-                            worker_init_fn=_WorkerInit(self.seed, self.rank),
+                            worker_init_fn=_WorkerInit(self.seed, self.rank, self.epoch),
                             **self.loader_kwargs)
         if self.loader_kwargs.get("persistent_workers"):
             self._loader = loader

@@ -5,6 +5,7 @@ does one job (env, dist, wrap, data, comm, evaluate).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -131,13 +132,15 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
         print(rt)   # Runtime(rank=0/2, local_rank=0, device=cpu, backend=gloo, launcher=torchrun)
     """
     env = env or detect(os.environ, sys.argv if argv is None else argv, expected_world_size)
-    install_error_hook(env.rank)
+    install_error_hook(env.rank)  # before init too: a bad backend must be one line as well
     comm.install_rank_warnings(env.rank)
     device = select_device(env, accelerator)
     threads = cpu_threads_per_process(env) if device.type == "cpu" else None
     if threads:
         torch.set_num_threads(threads)
     backend_name = init_process_group(env, device, backend, init_method, timeout)
+    if backend_name is not None:
+        install_error_hook(env.rank)  # PyTorch wrapped the hook at init; ours goes outermost
     if seed is not None:
         seed_everything(seed)
     if deterministic:
@@ -145,29 +148,65 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     return Runtime(env, device, backend_name)
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote worker crashing", "NCCL communicator was aborted")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective failed because another rank died first: a consequence, not the cause."""
+    text = str(exc)
+    return any(marker in text for marker in _PEER_LOST)
+
+
+def _record_root_cause(exc: BaseException, text: str) -> None:
+    # torchrun's error file, in its own format, names the rank that failed first (see
+    # ddpkit.launchers.run); ranks that merely lost a peer write none.
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # reporting must never mask the real error
+        pass
+
+
 def install_error_hook(rank: int, delay: float = 3.0) -> None:
     """Report an uncaught error once instead of once per rank.
 
     Rank 0 reports at once; other ranks wait ``delay`` seconds first, by which time a launcher
-    that saw rank 0 fail has stopped them, so a shared error is printed once. A
-    :class:`DDPKitError` is one line (no traceback) and exit status 2.
+    that saw rank 0 fail has stopped them, so an error every rank hits is printed once. A
+    :class:`DDPKitError` is one line (no traceback) and exit status 2; a collective that failed
+    only because a peer died is one line too, so the failing rank's traceback stands out.
+    Install it after the process group exists: PyTorch wraps ``sys.excepthook`` at init.
 
     Example::
 
         install_error_hook(env.rank)
     """
     def hook(kind: type, value: BaseException, tb: Any) -> None:
+        prefix = "" if rank == 0 else f"[rank {rank}] "
+        if is_peer_failure(value):
+            first = str(value).strip().splitlines()[0][:200]
+            _write(f"{prefix}stopped: a peer process failed during a collective ({first})\n")
+            os._exit(1)
         if rank != 0:
             time.sleep(delay)
-        prefix = "" if rank == 0 else f"[rank {rank}] "
-        if isinstance(value, DDPKitError):
-            sys.stderr.write(f"{prefix}error: {value}\n")
-            sys.stderr.flush()
-            os._exit(2)
         text = "".join(traceback.format_exception(kind, value, tb))
-        sys.stderr.write("".join(prefix + line + "\n" for line in text.splitlines()))
-        sys.stderr.flush()
+        _record_root_cause(value, text)
+        if isinstance(value, DDPKitError):
+            _write(f"{prefix}error: {value}\n")
+            os._exit(2)
+        _write("".join(prefix + line + "\n" for line in text.splitlines()))
+        os._exit(1)
 
-    if not getattr(sys.excepthook, "ddpkit", False):
-        hook.ddpkit = True  # type: ignore[attr-defined]
-        sys.excepthook = hook
+    hook.ddpkit = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _write(text: str) -> None:
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(text)
+    stream.flush()

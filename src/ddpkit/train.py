@@ -68,6 +68,9 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
                           f"{cfg.data_dir!r}); nothing is downloaded")
     if cfg.strategy == "dp" and world_size > 1:
         raise ConfigError("strategy 'dp' runs one process over all GPUs; use --nproc 1")
+    if cfg.sync_bn and world_size > 1 and not cuda:
+        raise ConfigError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm refuses CPU tensors; "
+                          "drop --sync-bn when training on CPU")
     if cfg.precision == "fp16" and not cuda:
         raise ConfigError("--precision fp16 needs a CUDA device; use --precision bf16 on CPU")
     if cfg.epochs < 1:

@@ -64,7 +64,7 @@ def resolve(ns: argparse.Namespace) -> TrainConfig:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from .launch import RunConfig, run
+    from .launchers import RunConfig, run
     from .train import check_config, train
 
     cfg = resolve(ns)

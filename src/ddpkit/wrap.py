@@ -90,6 +90,9 @@ def wrap_model(model: nn.Module, env: ClusterEnv, device: torch.device, strategy
     _check_strategy(strategy)
     opts = options or WrapOptions()
     if opts.sync_bn and env.is_distributed and strategy == "ddp":
+        if device.type == "cpu":
+            raise ConfigError("SyncBatchNorm needs GPUs: PyTorch's SyncBatchNorm and DDP refuse "
+                              "CPU modules; drop --sync-bn when training on CPU")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
     if strategy == "dp":

@@ -176,7 +176,7 @@ def run(cfg: RunConfig) -> int:
     try:
         torchrun(parse_args(torchrun_args(cfg, nproc)))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = _root_cause(exc)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
                else f"signal {-failure.exitcode}")
@@ -186,6 +186,16 @@ def run(cfg: RunConfig) -> int:
     return 0
 
 
+def _root_cause(exc: Any) -> Any:
+    """The failure that started it: ranks that recorded an error beat those that lost a peer."""
+    recorded = {r: f for r, f in exc.failures.items()
+                if isinstance(f.error_file_data.get("message"), dict)}
+    if recorded:
+        rank = min(recorded, key=lambda r: (recorded[r].timestamp, r))
+        return rank, recorded[rank]
+    return exc.get_first_failure()
+
+
 # --------------------------------------------------------------------------- spawn launcher
 
 def _spawned(index: int, fn: Callable[..., Any], args: tuple, nprocs: int, port: int,
@@ -193,11 +203,16 @@ def _spawned(index: int, fn: Callable[..., Any], args: tuple, nprocs: int, port:
     os.environ.update(to_environ(spawn_env(index, nprocs, "127.0.0.1", port)))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     from .dist import shutdown
+    from .runtime import is_peer_failure
     try:
         result = fn(*args)
         if index == 0:
             with open(os.path.join(result_dir, "result.pkl"), "wb") as f:
                 pickle.dump(result, f)
+    except Exception as exc:
+        if is_peer_failure(exc):
+            time.sleep(5)  # let the rank that failed first be the one reported (we get stopped)
+        raise
     finally:
         shutdown()
 

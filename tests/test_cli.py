@@ -1,0 +1,175 @@
+"""The ddpkit command end to end, in subprocesses: run, train, slurm, and bad input."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def ddpkit(*args, cwd=ROOT, timeout=240, env=None):
+    """Run `python -m ddpkit ARGS`; returns the CompletedProcess (text, both streams)."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    clean.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=cwd, env=clean,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith(("error:", "[rank"))]
+
+
+# ----------------------------------------------------------------------------- ddpkit run
+
+def test_run_example_on_two_processes(tmp_path):
+    out = tmp_path / "model.pt"
+    res = ddpkit("run", "--nproc", "2", "examples/train_ddpkit.py", "--epochs", "2", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("test accuracy") == 1, "only rank 0 prints"
+    accuracy = float(res.stdout.split("test accuracy ")[1].split("%")[0])
+    assert accuracy > 80 and "on 820 samples" in res.stdout
+    assert out.exists()
+
+
+def test_failing_rank_exits_nonzero_quickly_with_one_error(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import ddpkit\nrt = ddpkit.setup()\n"
+                      "if rt.rank == 1:\n    raise RuntimeError('rank one exploded')\n"
+                      "rt.barrier()\n")
+    start = time.monotonic()
+    res = ddpkit("run", "--nproc", "2", str(script))
+    assert res.returncode != 0
+    assert time.monotonic() - start < 60
+    assert res.stderr.count("RuntimeError: rank one exploded") == 1, res.stderr
+    assert "Traceback" in res.stderr and res.stderr.count("Traceback") == 1
+    assert "ddpkit run: rank 1 failed" in res.stderr
+
+
+def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
+    script = tmp_path / "bad_batch.py"
+    script.write_text("import torch, ddpkit\nrt = ddpkit.setup()\n"
+                      "rt.loader(torch.utils.data.TensorDataset(torch.zeros(8)), batch_size=3)\n")
+    res = ddpkit("run", "--nproc", "2", str(script))
+    assert res.returncode == 2
+    assert error_lines(res.stderr) == [
+        "error: global batch size 3 is not divisible by world size 2; use a multiple such as "
+        "2 or 4, or give a per-rank batch size"], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--nproc", "0", "examples/train_ddpkit.py"], "--nproc must be >= 1"),
+    (["run", "--nproc", "-2", "examples/train_ddpkit.py"], "--nproc must be >= 1"),
+    (["run", "--nproc", "two", "examples/train_ddpkit.py"], "positive integer or 'auto'"),
+    (["run", "--nproc", "2", "no/such/script.py"], "script 'no/such/script.py' does not exist"),
+    (["run", "--nnodes", "2", "examples/train_ddpkit.py"], "--rdzv-endpoint"),
+    (["run", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "examples/train_ddpkit.py"],
+     "--node-rank 2 is impossible"),
+    (["train", "--model", "resnet99"], "unknown model 'resnet99'; valid models: "),
+    (["train", "--data", "mnist"], "unknown dataset 'mnist'; valid datasets: "),
+    (["train", "--data", "cifar10", "--data-dir", "/no/such/dir"], "/no/such/dir"),
+    (["train", "--batch-size", "64", "--accum-steps", "5"], "--accum-steps 5 cannot split"),
+    (["train", "--batch-size", "63"], "not divisible by world size 2"),
+    (["train", "--precision", "fp16"], "fp16 needs a CUDA device"),
+    (["train", "--sync-bn"], "--sync-bn needs GPUs"),
+    (["train", "--strategy", "dp"], "use --nproc 1"),
+    (["train", "--nproc", "0"], "--nproc must be >= 1"),
+])
+def test_bad_input_gives_one_error_line(args, message):
+    res = ddpkit(*args, timeout=60)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = error_lines(res.stderr)
+    assert len(lines) == 1 and message in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_busy_master_port_is_reported():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = ddpkit("run", "--nproc", "2", "--master-port", str(port), "examples/train_ddpkit.py")
+    assert res.returncode == 2
+    assert f"master port {port} on 127.0.0.1 is already in use" in res.stderr
+
+
+def test_unknown_backend_in_worker_is_one_line(tmp_path):
+    script = tmp_path / "backend.py"
+    script.write_text("import ddpkit\nddpkit.setup(backend='nccl')\n")
+    res = ddpkit("run", "--nproc", "2", str(script))
+    assert res.returncode == 2
+    assert error_lines(res.stderr) == ["error: backend 'nccl' needs CUDA devices but this process "
+                                       "runs on CPU; use --backend gloo (or leave it unset)"]
+
+
+def test_slurm_renders_sbatch():
+    res = ddpkit("slurm", "--nodes", "2", "--gpus-per-node", "4", "train.py", "--epochs", "3")
+    assert res.returncode == 0
+    assert "#SBATCH --nodes=2" in res.stdout and "--gres=gpu:4" in res.stdout
+    assert "srun ddpkit run --nnodes" in res.stdout and "train.py --epochs 3" in res.stdout
+
+
+# ----------------------------------------------------------------------------- ddpkit train
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`ddpkit train` with no flags but the output directory: the README's main job."""
+    out = tmp_path_factory.mktemp("demo") / "run"
+    res = ddpkit("train", "--output", str(out), timeout=600)
+    return res, out
+
+
+def test_default_train_reaches_the_accuracy_bar(default_run):
+    res, out = default_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["final"]["eval/top1"] >= 95.0
+    assert results["final"]["eval/count"] == 359, "exact evaluation counts every test sample once"
+    assert results["epochs"] == 12
+
+
+def test_default_train_logs_once_and_writes_run_dir(default_run):
+    res, out = default_run
+    assert "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2" in res.stdout
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in res.stdout
+    assert res.stdout.count("epoch 1/12 ") == 1 and res.stdout.count("Total params") == 1
+    assert json.loads((out / "config.json").read_text())["nproc"] == 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if "eval/top1" in r]
+    assert len(epochs) == 12 and all(r["train/samples"] == 1438 for r in epochs)
+    assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.pt"))[-1].startswith("ckpt-")
+
+
+def test_config_file_and_flags(tmp_path):
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text('epochs = 1\nnproc = 1\nmodel = "small_cnn"\nbatch_size = 32\n')
+    res = ddpkit("train", "--config", str(cfg), "--batch-size", "48", "--output", str(tmp_path / "r"),
+                 "--precision", "bf16", "--channels-last", "--accum-steps", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert (saved["epochs"], saved["batch_size"], saved["precision"]) == (1, 48, "bf16")
+    assert saved["channels_last"] and saved["accum_steps"] == 2
+
+
+def test_config_file_unknown_key_and_type(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("epochs: 2\nlearning_rate: 0.1\n")
+    res = ddpkit("train", "--config", str(bad), timeout=60)
+    assert res.returncode == 2 and "unknown config key 'learning_rate'" in res.stderr
+    bad.write_text("epochs: two\n")
+    res = ddpkit("train", "--config", str(bad), timeout=60)
+    assert res.returncode == 2 and "'epochs' must be of type int" in res.stderr
+
+
+def test_nonfinite_loss_stops_with_the_step(tmp_path):
+    res = ddpkit("train", "--nproc", "1", "--epochs", "1", "--lr", "1e12", "--scheduler", "none",
+                 "--optimizer", "sgd", "--momentum", "0", "--output", str(tmp_path / "nan"))
+    assert res.returncode == 2
+    lines = error_lines(res.stderr)
+    assert len(lines) == 1 and "loss is nan at step" in lines[0] and "--skip-nonfinite" in lines[0]

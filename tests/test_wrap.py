@@ -1,0 +1,122 @@
+"""Model wrapping without a process group: unwrap, strategy checks, single-process no-ops."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from ddpkit.env import ClusterEnv
+from ddpkit.errors import ConfigError
+from ddpkit.wrap import STRATEGIES, WrapOptions, _register_comm_hook, unwrap, wrap_model
+
+CPU = torch.device("cpu")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3)
+        self.bn = nn.BatchNorm2d(2)
+        self.fc = nn.Linear(2, 1)
+
+
+def test_strategies():
+    assert STRATEGIES == ("ddp", "dp", "none")
+
+
+def test_wrap_options_defaults():
+    o = WrapOptions()
+    assert o.gradient_as_bucket_view is True
+    assert o.broadcast_buffers is True
+    assert (o.sync_bn, o.find_unused_parameters, o.static_graph) == (False, False, False)
+    assert (o.bucket_cap_mb, o.comm_hook) == (25.0, None)
+
+
+def test_unwrap_plain_module_is_itself():
+    m = Net()
+    assert unwrap(m) is m
+
+
+def test_unwrap_nested_data_parallel():
+    m = Net()
+    wrapped = DataParallel(DataParallel(DataParallel(m)))
+    assert unwrap(wrapped) is m
+    assert unwrap(wrapped).state_dict().keys() == m.state_dict().keys()
+
+
+def test_unwrap_does_not_descend_into_other_containers():
+    inner = Net()
+    seq = nn.Sequential(DataParallel(inner))
+    assert unwrap(seq) is seq
+
+
+def test_dp_on_cpu_warns_and_returns_plain_module():
+    m = Net()
+    with pytest.warns(UserWarning, match=r"^strategy 'dp' needs CUDA devices; on CPU the plain "
+                                         r"module is used$"):
+        out = wrap_model(m, ClusterEnv(), CPU, "dp")
+    assert out is m
+    assert not isinstance(out, (DataParallel, DistributedDataParallel))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "DDP", "", "deepspeed"])
+def test_unknown_strategy_lists_choices(strategy):
+    with pytest.raises(ConfigError) as exc:
+        wrap_model(Net(), ClusterEnv(), CPU, strategy)
+    assert str(exc.value) == f"unknown strategy {strategy!r}; choose one of ddp, dp, none"
+
+
+def test_unknown_strategy_checked_before_the_model_is_touched():
+    m = Net()
+    with pytest.raises(ConfigError):
+        wrap_model(m, ClusterEnv(), torch.device("meta"), "bogus")
+    assert all(p.device == CPU for p in m.parameters())
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "none"])
+def test_single_process_returns_the_module(strategy):
+    m = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for the normal single-process path
+        out = wrap_model(m, ClusterEnv(), CPU, strategy)
+    assert out is m
+    assert not isinstance(out, DistributedDataParallel)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "none"])
+def test_single_process_moves_module_to_device(strategy):
+    m = Net()
+    out = wrap_model(m, ClusterEnv(), torch.device("meta"), strategy)
+    assert not isinstance(out, DistributedDataParallel)
+    assert {p.device.type for p in out.parameters()} == {"meta"}
+    assert {b.device.type for b in out.buffers()} == {"meta"}
+
+
+def test_single_process_keeps_weights():
+    torch.manual_seed(0)
+    m = Net()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    out = wrap_model(m, ClusterEnv(), CPU, "ddp", WrapOptions(sync_bn=True, comm_hook="fp16"))
+    after = out.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_sync_bn_not_applied_in_single_process():
+    out = wrap_model(Net(), ClusterEnv(), CPU, "ddp", WrapOptions(sync_bn=True))
+    assert type(out.bn) is nn.BatchNorm2d
+
+
+def test_sync_bn_not_applied_without_ddp():
+    # world > 1 but strategy none: no DDP, no SyncBatchNorm and no process group needed
+    env = ClusterEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    m = Net()
+    out = wrap_model(m, env, CPU, "none", WrapOptions(sync_bn=True))
+    assert out is m and type(out.bn) is nn.BatchNorm2d
+
+
+def test_unknown_comm_hook_lists_choices():
+    with pytest.raises(ConfigError) as exc:
+        _register_comm_hook(None, "int8")
+    assert str(exc.value) == "unknown comm hook 'int8'; choose one of fp16, bf16, powersgd"
