@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 
 import torch
 import torch.distributed as tdist
+from torch.distributed.rendezvous import rendezvous
 
 from .env import ClusterEnv
 from .errors import ConfigError
@@ -129,8 +130,16 @@ def init_process_group(env: ClusterEnv, device: torch.device, backend: Optional[
     if tdist.is_initialized():
         return tdist.get_backend()
     url = resolve_init_method(env, init_method)
-    kwargs = {} if url == "env://" else {"rank": env.rank, "world_size": env.world_size}
-    tdist.init_process_group(resolved, init_method=url, timeout=timeout, **kwargs)
+    if url == "env://" and env.restart_count > 0:
+        # After an elastic restart the agent's store still holds the previous attempt's
+        # addresses; a rank reading one of those connects to a dead peer. Namespace by attempt.
+        store, rank, world = next(rendezvous(url, timeout=timeout))
+        store = tdist.PrefixStore(f"ddpkit/attempt{env.restart_count}", store)
+        tdist.init_process_group(resolved, store=store, rank=rank, world_size=world,
+                                 timeout=timeout)
+    else:
+        kwargs = {} if url == "env://" else {"rank": env.rank, "world_size": env.world_size}
+        tdist.init_process_group(resolved, init_method=url, timeout=timeout, **kwargs)
     atexit.register(shutdown)
     return resolved
 

@@ -72,6 +72,7 @@ class Hook:
     """
 
     def on_fit_start(self, loop: "_Fit") -> None: ...
+    def on_batch_end(self, loop: "_Fit", batch: Any) -> None: ...
     def on_step_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
     def on_epoch_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
     def on_fit_end(self, loop: "_Fit") -> None: ...
@@ -91,6 +92,7 @@ class _Fit:
         self.ckpt: Optional[CheckpointPolicy] = opts["checkpoint"]
         self.loss_fn: Callable[..., torch.Tensor] = opts["loss_fn"] or nn.functional.cross_entropy
         self.resumed_mid_epoch = False
+        self.start_position = (0, 0)   # (epoch, global samples done in it) where this run starts
         self._epoch_done = False
         self._last_ckpt_time = time.monotonic()
 
@@ -137,8 +139,10 @@ class _Fit:
         self.state = TrainState(p["epoch"], p["step"], p["best"], p["best_epoch"],
                                 list(ckpt.get("history", [])))
         self.resumed_mid_epoch = bool(p["mid_epoch"])
+        self.start_position = (self.state.epoch, 0)
         if self.resumed_mid_epoch:
             self.loader.load_state_dict(ckpt["loader"])
+            self.start_position = (self.state.epoch, int(ckpt["loader"]["samples_done"]))
         same_world = ckpt.get("world_size") == self.rt.world_size
         if same_world:  # per-rank RNG streams only make sense for the same ranks
             set_rng_state(ckpt["rng"][self.rt.rank])
@@ -184,6 +188,8 @@ class _Fit:
                        self.o["progress"])
         for batch in bar:
             loss = self._forward_backward(batch, self.loader.at_last_batch)
+            for hook in self.o["hooks"]:
+                hook.on_batch_end(self, batch)
             n = batch[0].shape[0]
             loss_sum += float(loss) * n
             seen += n

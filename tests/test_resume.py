@@ -1,0 +1,132 @@
+"""Exact resume and fault tolerance: interrupted runs end bitwise equal to uninterrupted ones.
+
+The ledger (resume_script.Ledger) records every batch's sample indices per rank and attempt, so we
+can also prove that no sample is lost or repeated across a crash.
+"""
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ddpkit
+import resume_script
+from ddpkit.checkpoint import find_latest, save_checkpoint
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def effective_samples(out):
+    """Per epoch, the indices that count: each attempt's batches up to where the next one resumed."""
+    attempts = {}
+    for path in glob.glob(os.path.join(out, "ledger-r*-a*-w*.jsonl")):
+        attempt = int(path.rsplit("-a", 1)[1].split("-")[0])
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        attempts.setdefault(attempt, []).append(lines)
+    order = sorted(attempts)
+    starts = {a: tuple(attempts[a][0][0]["start"]) for a in order}
+    per_epoch = {}
+    for i, a in enumerate(order):
+        limit = starts[order[i + 1]] if i + 1 < len(order) else None
+        for lines in attempts[a]:
+            for rec in lines[1:]:
+                if limit is not None and (rec["epoch"], rec["pos"]) > limit:
+                    continue  # redone by the next attempt
+                per_epoch.setdefault(rec["epoch"], []).extend(rec["idx"])
+    return per_epoch
+
+
+def assert_every_sample_once(out, epochs):
+    per_epoch = effective_samples(out)
+    assert sorted(per_epoch) == list(range(epochs))
+    for epoch, idx in per_epoch.items():
+        assert sorted(idx) == list(range(resume_script.SAMPLES)), f"epoch {epoch}: lost or repeated"
+
+
+def assert_bitwise_equal(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x, y), "parameters differ"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    result = ddpkit.launch(resume_script.train, 2, str(out), timeout=180)
+    assert result["step"] == 3 * resume_script.SAMPLES // 8
+    assert_every_sample_once(str(out), 3)
+    return result
+
+
+def test_stop_and_resume_mid_epoch_is_bitwise_exact(tmp_path, reference):
+    first = ddpkit.launch(resume_script.train, 2, str(tmp_path), 3, 8, None, 17, -1, -1, 0,
+                          timeout=180)
+    assert first["step"] == 17  # stopped mid-epoch 2; last checkpoint at step 16
+    resumed = ddpkit.launch(resume_script.train, 2, str(tmp_path), 3, 8, "auto", None, -1, -1, 1,
+                            timeout=180)
+    assert resumed["step"] == reference["step"]
+    assert_bitwise_equal(resumed["params"], reference["params"])
+    assert_every_sample_once(str(tmp_path), 3)
+
+
+def test_resume_on_a_different_world_size_loses_and_repeats_nothing(tmp_path):
+    ddpkit.launch(resume_script.train, 2, str(tmp_path), 2, 8, None, 5, -1, -1, 0, timeout=180)
+    # saved at step 4 by 2 processes (32 samples of epoch 0 done), resumed on 1 process
+    resumed = ddpkit.launch(resume_script.train, 1, str(tmp_path), 2, 8, "auto", None, -1, -1, 1,
+                            timeout=180)
+    assert resumed["step"] == 4 + (96 - 32) // 8 + 96 // 8
+    assert_every_sample_once(str(tmp_path), 2)
+
+
+def _run_with_restarts(out, kill_rank, kill_step):
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "--max-restarts", "2",
+           os.path.join(HERE, "resume_script.py"), "--out", str(out),
+           "--kill-rank", str(kill_rank), "--kill-step", str(kill_step)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_kill_9_a_random_rank_at_a_random_step_and_the_run_finishes_as_if_nothing_happened(
+        tmp_path, reference, trial):
+    rng = random.Random(1000 + trial)  # seeds recorded: a failure names its trial
+    kill_rank, kill_step = rng.randrange(2), rng.randrange(1, 36)
+    res = _run_with_restarts(tmp_path, kill_rank, kill_step)
+    assert res.returncode == 0, f"trial {trial} (rank {kill_rank}, step {kill_step}):\n{res.stderr[-3000:]}"
+    attempts = {p.rsplit("-a", 1)[1][0] for p in glob.glob(str(tmp_path / "ledger-*"))}
+    assert attempts == {"0", "1"}, "the killed group was not restarted exactly once"
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert final["step"] == reference["step"]
+    assert_bitwise_equal(final["params"], reference["params"])
+    assert_every_sample_once(str(tmp_path), 3)
+
+
+WRITER = """
+import sys, torch
+from ddpkit.checkpoint import save_checkpoint
+save_checkpoint({"w": torch.ones(4)}, sys.argv[1], step=1)
+print("first saved", flush=True)
+save_checkpoint({"w": torch.randn(40_000_000)}, sys.argv[1], step=2)   # 160 MB: slow to write
+"""
+
+
+def test_writer_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "first saved"
+    deadline = time.monotonic() + 60
+    while not glob.glob(str(tmp_path / "*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    found = find_latest(tmp_path)
+    assert found is not None
+    path, state = found
+    assert path.name == "ckpt-000000001.pt" and torch.equal(state["w"], torch.ones(4))
