@@ -173,3 +173,35 @@ def test_nonfinite_loss_stops_with_the_step(tmp_path):
     assert res.returncode == 2
     lines = error_lines(res.stderr)
     assert len(lines) == 1 and "loss is nan at step" in lines[0] and "--skip-nonfinite" in lines[0]
+
+
+# ----------------------------------------------------------------------------- resume via the CLI
+
+def test_train_resume_auto_and_bad_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    common = ["train", "--epochs", "2", "--output", str(out), "--ckpt-every-steps", "5"]
+    res = ddpkit(*common, "--resume", "auto", "--max-steps", "12")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "starting fresh" in res.stdout
+    res = ddpkit(*common, "--resume", "auto")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed from" in res.stdout and "ckpt-000000012.pt" in res.stdout
+    assert json.loads((out / "results.json").read_text())["steps"] == 2 * 23
+
+    # a checkpoint from another model: keys and shapes named, one line
+    res = ddpkit("train", "--nproc", "1", "--epochs", "1", "--model", "resnet18",
+                 "--output", str(tmp_path / "other"), "--resume", str(out / "checkpoints"), timeout=120)
+    lines = error_lines(res.stderr)
+    assert res.returncode == 2 and len(lines) == 1 and "different model" in lines[0], res.stderr[-2000:]
+
+    # a truncated checkpoint given explicitly
+    latest = sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1]
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(latest.read_bytes()[:1000])
+    res = ddpkit("train", "--nproc", "1", "--output", str(tmp_path / "b"), "--resume", str(broken),
+                 timeout=120)
+    lines = error_lines(res.stderr)
+    assert res.returncode == 2 and len(lines) == 1 and "broken.pt" in lines[0], res.stderr[-2000:]
+
+    res = ddpkit("train", "--resume", str(tmp_path / "nope.pt"), timeout=60)
+    assert res.returncode == 2 and "does not exist" in error_lines(res.stderr)[0]

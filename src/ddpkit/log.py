@@ -36,6 +36,9 @@ def banner(env: Any, device: torch.device, backend: Optional[str]) -> str:
              f"{env.world_size} (node {r['node']} {r['host']}, local rank {r['local']}, "
              f"device {r['device']}, {r['threads']} threads)" for r in everyone]
     sep = "-" * 80
+    if env.restart_count:
+        lines.append(f"Elastic restart {env.restart_count}: the group was restarted after a "
+                     "worker failure")
     lines += [sep, f"distributed_backend={backend or 'none'} launcher={env.launcher}",
               f"All distributed processes registered. Starting with {env.world_size} processes",
               sep]

@@ -198,7 +198,7 @@ class _Fit:
                 if self._stop():
                     break
         bar.close()
-        self._epoch_done = True
+        self._epoch_done = self.loader.at_last_batch  # False when max_steps cut the epoch short
         return self._epoch_metrics(loss_sum, seen, time.perf_counter() - start)
 
     def _after_optimizer_step(self, loss: float, bar: Any) -> None:
@@ -243,6 +243,9 @@ class _Fit:
         while self.state.epoch < self.o["epochs"] and not self._stop():
             metrics = self.train_epoch()
             if self._stop() and not self._epoch_finished():
+                every = self.ckpt.every_steps if self.ckpt is not None else 0
+                if self.ckpt is not None and not (every and self.state.step % every == 0):
+                    self.save()  # stopped by max_steps mid-epoch: keep the work (unless just saved)
                 break
             self._end_epoch(metrics)
         for hook in self.o["hooks"]:

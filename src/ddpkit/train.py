@@ -77,6 +77,9 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
         raise ConfigError(f"--epochs must be >= 1, got {cfg.epochs}")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.resume not in (None, "", "auto") and not os.path.exists(cfg.resume):
+        raise ConfigError(f"--resume {cfg.resume!r} does not exist; give a checkpoint file, a "
+                          "directory of checkpoints, or 'auto'")
     micro_batch_size(cfg, world_size)
 
 
