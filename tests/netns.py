@@ -22,9 +22,10 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import IO, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Cluster", "available", "sweep_stale", "SUBNET", "LAUNCH_VARS"]
 
@@ -152,6 +153,9 @@ class Cluster:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=self.tag + "-"))
         self.procs: Dict[int, subprocess.Popen] = {}
         self._created: List[str] = []
+        self._pumps: List[threading.Thread] = []
+        #: (monotonic time, node, line) of everything the nodes printed, in arrival order.
+        self.lines: List[Tuple[float, int, str]] = []
 
     # ------------------------------------------------------------------ names
     def ns(self, node: int) -> str:
@@ -232,6 +236,8 @@ class Cluster:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        for pump in self._pumps:
+            pump.join(timeout=5)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -260,12 +266,33 @@ class Cluster:
         clean = {k: v for k, v in os.environ.items()
                  if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_", "PET_"))}
         clean.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-        out, err = (open(self.log_path(node, s), "ab") for s in ("out", "err"))
-        with out, err:
-            proc = subprocess.Popen(self.command(node, argv), stdout=out, stderr=err, env=clean,
-                                    cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(self.command(node, argv), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=clean, cwd=cwd,
+                                start_new_session=True)
         self.procs[node] = proc
+        for stream in ("out", "err"):
+            pump = threading.Thread(target=self._pump, daemon=True,
+                                    args=(node, stream, getattr(proc, "std" + stream)))
+            pump.start()
+            self._pumps.append(pump)
         return proc
+
+    def _pump(self, node: int, stream: str, pipe: IO[bytes]) -> None:
+        # Copy line by line, noting when each arrived: tests bound how fast errors show up.
+        with pipe, open(self.log_path(node, stream), "ab") as f:
+            for raw in iter(pipe.readline, b""):
+                f.write(raw)
+                f.flush()
+                self.lines.append((time.monotonic(), node, raw.decode(errors="replace")))
+
+    def first(self, node: int, text: str) -> Optional[float]:
+        """``time.monotonic()`` when ``node`` first printed a line containing ``text``, or None.
+
+        Example::
+
+            t = c.first(0, "Timed out")
+        """
+        return next((t for t, n, line in list(self.lines) if n == node and text in line), None)
 
     def log_path(self, node: int, stream: str = "err") -> Path:
         """Where ``node``'s ``out`` or ``err`` stream is collected."""
@@ -293,6 +320,8 @@ class Cluster:
                 raise TimeoutError(f"nodes {running} still running after {timeout:.0f} s "
                                    f"(all killed)\n{self.tails()}")
             time.sleep(0.1)
+        for pump in self._pumps:
+            pump.join(timeout=2)  # the last lines, unless an orphan still holds the pipe
         return [self.procs[i].returncode for i in chosen]
 
     def tails(self, lines: int = 15) -> str:

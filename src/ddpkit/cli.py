@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from . import train_cli
+    from .bench import add_parser as _add_bench
 
-    for add in (_add_run, train_cli.add_parser, _add_slurm):
+    for add in (_add_run, train_cli.add_parser, _add_slurm, _add_bench):
         add(sub)
     return parser
 

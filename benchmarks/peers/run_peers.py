@@ -1,0 +1,152 @@
+"""Same workload, four loops: hand-written DDP, ddpkit, Accelerate, Lightning Fabric.
+
+    python benchmarks/peers/run_peers.py --rounds 3 --output peers-out
+
+Every measurement is a fresh ``torchrun`` of peer_worker.py (same launcher for all peers); the
+peers alternate within each round (order rotated every round) so machine drift hits all of them.
+Reports global images/s per peer and its ratio to the hand-written loop, paired by round.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from ddpkit.bench_env import environment
+from ddpkit.bench_report import median, repeat_figures
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = ("handwritten", "ddpkit", "accelerate", "fabric")
+NEEDS = {"accelerate": ("accelerate", "pip install accelerate"),
+         "fabric": ("lightning", "pip install lightning")}
+
+
+def missing(peer: str) -> Optional[str]:
+    """Why ``peer`` cannot run here (its package is not importable), or None."""
+    if peer not in NEEDS:
+        return None
+    module, hint = NEEDS[peer]
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed ({hint}; check it keeps your torch)"
+    return None
+
+
+def run_once(peer: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """One torchrun of ``peer``; its figures, or {"error": one line}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(args.nproc), os.path.join(HERE, "peer_worker.py"),
+               "--peer", peer, "--batch", str(args.batch), "--threads", str(args.threads),
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--model", args.model, "--result", result]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # torchrun would force 1
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                  timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {args.timeout} s"}
+        if proc.returncode != 0 or not os.path.exists(result):
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            return {"error": (lines or ["exit code %d" % proc.returncode])[-1][:300]}
+        with open(result) as f:
+            ranks = json.load(f)["ranks"]
+    out = repeat_figures([r["step_s"] for r in ranks], args.nproc * args.batch)
+    out.update(step_s=[r["step_s"] for r in ranks], threads=[r["threads"] for r in ranks],
+               peak_mb=[r["peak_mb"] for r in ranks])
+    return out
+
+
+def rounds(args: argparse.Namespace, peers: List[str]) -> Dict[str, List[Dict[str, Any]]]:
+    """ABCD, BCDA, CDAB, ...: every peer in every round, in rotating order."""
+    results: Dict[str, List[Dict[str, Any]]] = {p: [] for p in peers}
+    for rnd in range(args.rounds):
+        order = peers[rnd % len(peers):] + peers[:rnd % len(peers)]
+        for peer in order:
+            res = run_once(peer, args)
+            res["round"] = rnd
+            results[peer].append(res)
+            shown = res.get("error") or f"{res['images_s']:.1f} images/s"
+            print(f"[round {rnd + 1}/{args.rounds}] {peer}: {shown}", flush=True)
+    return results
+
+
+def summarize(results: Dict[str, List[Dict[str, Any]]], skipped: Dict[str, str]) -> List[Dict]:
+    """Median images/s per peer, min-max, and the per-round ratio to the hand-written loop."""
+    base = {r["round"]: r["images_s"] for r in results.get("handwritten", []) if "images_s" in r}
+    rows = []
+    for peer in PEERS:
+        if peer in skipped:
+            rows.append({"peer": peer, "status": f"skipped: {skipped[peer]}"})
+            continue
+        ok = [r for r in results[peer] if "images_s" in r]
+        errors = [r["error"] for r in results[peer] if "error" in r]
+        row: Dict[str, Any] = {"peer": peer, "status": f"failed: {errors[0]}" if errors else "ok"}
+        if ok:
+            ips = [r["images_s"] for r in ok]
+            ratios = [r["images_s"] / base[r["round"]] for r in ok if r["round"] in base]
+            row.update(images_s=median(ips), images_s_range=[min(ips), max(ips)],
+                       ratio=median(ratios) if ratios else None,
+                       ratio_range=[min(ratios), max(ratios)] if ratios else None,
+                       rounds=len(ok))
+        rows.append(row)
+    return rows
+
+
+def table(rows: List[Dict[str, Any]]) -> str:
+    """Markdown: peer | images/s (min-max) | x hand-written (min-max) | status."""
+    lines = ["| peer | images/s (min-max) | x hand-written, paired by round (min-max) | status |",
+             "|---|---|---|---|"]
+    for r in rows:
+        if "images_s" not in r:
+            lines.append(f"| {r['peer']} | - | - | {r['status']} |")
+            continue
+        lo, hi = r["images_s_range"]
+        ratio = "-" if r["ratio"] is None else (
+            f"{r['ratio']:.3f} ({r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f})")
+        lines.append(f"| {r['peer']} | {r['images_s']:.1f} ({lo:.1f}-{hi:.1f}) | {ratio} | "
+                     f"{r['status']} ({r['rounds']} rounds) |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peers", default=",".join(PEERS), help="subset, comma-separated")
+    for flag, default in (("--rounds", 3), ("--nproc", 2), ("--batch", 64), ("--threads", 1),
+                          ("--steps", 4), ("--warmup", 1), ("--timeout", 900)):
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--output", default="peers-out")
+    args = p.parse_args(argv)
+    wanted = [x.strip() for x in args.peers.split(",") if x.strip()]
+    unknown = sorted(set(wanted) - set(PEERS))
+    if unknown:
+        p.error(f"unknown peer(s) {', '.join(unknown)}; valid: {', '.join(PEERS)}")
+    skipped = {peer: why for peer in wanted if (why := missing(peer))}
+    started = time.perf_counter()
+    results = rounds(args, [x for x in wanted if x not in skipped])
+    rows = summarize(results, skipped)
+    rows = [r for r in rows if r["peer"] in wanted]
+    text = table(rows)
+    print("\n" + text, end="")
+    os.makedirs(args.output, exist_ok=True)
+    env = environment({"model": args.model, "batch_per_rank": args.batch, "nproc": args.nproc,
+                       "threads_per_process": args.threads, "steps": args.steps,
+                       "warmup": args.warmup, "rounds": args.rounds, "loader_workers": 0,
+                       "seconds": round(time.perf_counter() - started, 1)})
+    with open(os.path.join(args.output, "peers.md"), "w") as f:
+        f.write(f"# Peers: {args.model}, per-rank batch {args.batch}, {args.nproc} processes x "
+                f"{args.threads} thread(s)\n\n{text}\nCommand: `{env['command']}`\n")
+    with open(os.path.join(args.output, "peers.json"), "w") as f:
+        json.dump({"environment": env, "summary": rows, "raw": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The fit loop and evaluation in one process (multi-process behaviour: test_multiprocess.py)."""
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit.env import ClusterEnv
+from ddpkit.evaluate import evaluate, topk_correct
+from ddpkit.loop import CheckpointPolicy, Hook, fit
+from ddpkit.log import RunLogger
+from ddpkit.runtime import Runtime
+
+
+def runtime():
+    return Runtime(ClusterEnv(), torch.device("cpu"), None)
+
+
+def data(n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+
+
+class Recorder(Hook):
+    def __init__(self):
+        self.events = []
+
+    def on_fit_start(self, loop):
+        self.events.append("start")
+
+    def on_batch_end(self, loop, batch):
+        self.events.append("batch")
+
+    def on_step_end(self, loop, metrics):
+        self.events.append(("step", loop.state.step, round(metrics["lr"], 6)))
+
+    def on_epoch_end(self, loop, metrics):
+        self.events.append(("epoch", metrics["epoch"]))
+
+    def on_fit_end(self, loop):
+        self.events.append("end")
+
+
+def test_hooks_scheduler_per_step_and_accumulation():
+    rt, net, rec = runtime(), model(), Recorder()
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    state = fit(rt, net, opt, rt.loader(data(), 10), epochs=2, accum_steps=2, scheduler=sched,
+                scheduler_interval="step", hooks=[rec], progress=False)
+    assert state.step == 4  # 4 batches per epoch, 2 per optimizer step
+    assert rec.events[0] == "start" and rec.events[-1] == "end"
+    assert rec.events.count("batch") == 8
+    steps = [e for e in rec.events if isinstance(e, tuple) and e[0] == "step"]
+    assert [s[1] for s in steps] == [1, 2, 3, 4]
+    assert [s[2] for s in steps] == [0.5, round(1 / 3, 6), 0.25, 0.2]  # stepped after each step
+    assert ("epoch", 1) in rec.events and ("epoch", 2) in rec.events
+
+
+def test_eval_best_tracking_history_and_jsonl(tmp_path):
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    logger = RunLogger(str(tmp_path), tensorboard=True)
+    state = fit(rt, net, opt, rt.loader(data(), 8), epochs=3, eval_data=data(13, seed=1),
+                logger=logger, log_every=1, progress=False)
+    assert [h["epoch"] for h in state.history] == [1, 2, 3]
+    assert all(h["eval/count"] == 13 for h in state.history)
+    assert state.best == max(h["eval/top1"] for h in state.history)
+    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum("train/loss" in r and "eval/top1" not in r for r in records) == state.step
+    assert (tmp_path / "tensorboard").is_dir()
+
+
+def test_checkpoint_every_minutes_and_max_steps(tmp_path):
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    policy = CheckpointPolicy(str(tmp_path), every_minutes=1e-9, every_epoch=False, keep=100)
+    state = fit(rt, net, opt, rt.loader(data(), 10), epochs=5, checkpoint=policy, max_steps=6,
+                progress=False)
+    assert state.step == 6
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == [
+        f"ckpt-{i:09d}.pt" for i in range(1, 7)]
+
+
+def test_skip_nonfinite_steps_instead_of_stopping():
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    bad = data()
+    bad.tensors[0][3] = float("nan")   # one poisoned sample: its batch's gradients are NaN
+    state = fit(rt, net, opt, rt.loader(bad, 10, shuffle=False), epochs=1, skip_nonfinite=True,
+                progress=False)
+    assert state.step == 4
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_nonfinite_loss_stops_naming_the_step():
+    rt, net = runtime(), model()
+    bad = data()
+    bad.tensors[0][25] = float("inf")
+    with pytest.raises(ddpkit.DDPKitError, match=r"loss is nan at step 3 \(epoch 1\)"):
+        fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), rt.loader(bad, 10, shuffle=False),
+            epochs=1, progress=False)
+
+
+def test_bf16_channels_last_training_and_eval_run():
+    rt = runtime()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(4, 3)).to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(0)
+    images = TensorDataset(torch.randn(24, 1, 8, 8, generator=g), torch.randint(0, 3, (24,), generator=g))
+    state = fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), rt.loader(images, 8), epochs=1,
+                precision=ddpkit.Precision("bf16"), channels_last=True, eval_data=images,
+                progress=False)
+    assert state.history[-1]["eval/count"] == 24 and state.step == 3
+
+
+def test_sync_batchnorm_model_evaluates_in_a_single_process():
+    torch.manual_seed(0)
+    bn = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 3))
+    bn(torch.randn(32, 6))  # give the running statistics non-trivial values
+    sync = nn.SyncBatchNorm.convert_sync_batchnorm(bn)
+    assert any(isinstance(m, nn.SyncBatchNorm) for m in sync.modules())
+    plain = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 3))
+    plain.load_state_dict(sync.state_dict())
+    assert evaluate(sync, data(17), batch_size=4) == evaluate(plain, data(17), batch_size=4)
+
+
+def test_torchmetrics_metric_plugs_in():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    net = model()
+    f1 = torchmetrics.classification.MulticlassF1Score(num_classes=3, average="macro")
+    acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+    out = evaluate(net, data(23), batch_size=5, metrics={"f1": f1, "acc": acc})
+    assert out["acc"] == pytest.approx(out["top1"] / 100, abs=1e-6)
+    assert 0.0 <= out["f1"] <= 1.0
+
+
+def test_topk_correct_counts():
+    logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.05, 0.15], [0.2, 0.3, 0.5]])
+    target = torch.tensor([1, 2, 0])
+    assert topk_correct(logits, target, (1, 2, 5)) == [1, 2, 3]

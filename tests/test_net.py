@@ -1,0 +1,168 @@
+"""ddpkit.net without a network: parsing of injected ``ip`` output, reachability on loopback only."""
+import errno
+import os
+import socket
+
+import pytest
+
+from ddpkit import net
+from ddpkit.errors import ConfigError
+
+ROUTE_REMOTE = "10.213.0.1 dev eth0 src 10.213.0.2 uid 0 \\    cache \n"
+ROUTE_LOCAL = "local 10.213.0.1 dev lo table local src 10.213.0.1 uid 0 \\    cache <local> \n"
+ROUTE_VIA = "192.0.2.9 via 10.0.0.254 dev ens3 src 10.0.0.7 uid 0 \\    cache \n"
+ADDRS = """1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever
+1: lo    inet6 ::1/128 scope host \\       valid_lft forever preferred_lft forever
+7: eth0@if8    inet 10.213.0.1/24 scope global eth0\\       valid_lft forever preferred_lft forever
+9: ib0    inet6 fd00::5/64 scope global \\       valid_lft forever preferred_lft forever
+"""
+PROC_ROUTE = """Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
+eth0\t00000000\t010200C0\t0003\t0\t0\t0\t00000000\t0\t0\t0
+eth0\t000200C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0
+ib0\t0000D50A\t00000000\t0001\t0\t0\t0\t0000FFFF\t0\t0\t0
+"""
+
+
+def fake_ip(route_get, addr_show=ADDRS):
+    """An ``ip`` runner that answers from canned text and records what it was asked."""
+    def run(args):
+        run.calls.append(list(args))
+        if args[:1] == ["-V"]:
+            return "ip utility, iproute2-6.1.0\n"
+        if "route" in args:
+            return route_get
+        if "addr" in args:
+            return addr_show
+        return None
+    run.calls = []
+    return run
+
+
+@pytest.mark.parametrize("endpoint, expected", [
+    ("10.0.0.1:29400", ("10.0.0.1", 29400)),
+    ("node0", ("node0", 29400)),
+    ("node0.cluster:1234", ("node0.cluster", 1234)),
+    ("[fe80::1]:1234", ("fe80::1", 1234)),
+    ("fe80::1", ("fe80::1", 29400)),
+])
+def test_split_endpoint(endpoint, expected):
+    assert net.split_endpoint(endpoint) == expected
+
+
+@pytest.mark.parametrize("endpoint", [":29400", "host:http", "host:70000"])
+def test_split_endpoint_rejects_nonsense_in_one_line(endpoint):
+    with pytest.raises(ConfigError, match="rendezvous endpoint"):
+        net.split_endpoint(endpoint)
+
+
+def test_parse_route_get_remote_local_and_gateway():
+    assert net.parse_route_get(ROUTE_REMOTE) == net.Route("eth0", "10.213.0.2", local=False)
+    assert net.parse_route_get(ROUTE_LOCAL) == net.Route("lo", "10.213.0.1", local=True)
+    assert net.parse_route_get(ROUTE_VIA) == net.Route("ens3", "10.0.0.7", local=False)
+    assert net.parse_route_get("") is None
+    assert net.parse_route_get("RTNETLINK answers: Network is unreachable") is None
+
+
+def test_parse_addresses_strips_prefix_and_veth_peer_suffix():
+    found = net.parse_addresses(ADDRS)
+    assert found == {"lo": ["127.0.0.1", "::1"], "eth0": ["10.213.0.1"], "ib0": ["fd00::5"]}
+
+
+def test_parse_proc_route_takes_the_longest_prefix():
+    assert net.parse_proc_route(PROC_ROUTE, "10.213.4.4") == "ib0"   # 10.213/16
+    assert net.parse_proc_route(PROC_ROUTE, "192.0.2.77") == "eth0"  # 192.0.2/24
+    assert net.parse_proc_route(PROC_ROUTE, "8.8.8.8") == "eth0"     # default route
+    assert net.parse_proc_route(PROC_ROUTE.splitlines()[0], "8.8.8.8") is None
+
+
+def test_interface_for_a_peer_is_the_routing_interface():
+    run = fake_ip(ROUTE_REMOTE)
+    assert net.interface_for("10.213.0.1", run=run) == "eth0"
+    assert ["-o", "route", "get", "10.213.0.1"] in run.calls
+
+
+def test_interface_for_our_own_address_is_where_it_lives_not_lo():
+    # Node 0 holds the rendezvous address: peers reach it on eth0, never on lo.
+    assert net.interface_for("10.213.0.1", run=fake_ip(ROUTE_LOCAL)) == "eth0"
+    route = net.route_to("10.213.0.1", run=fake_ip(ROUTE_LOCAL))
+    assert route == net.Route("eth0", "10.213.0.1", local=True)
+
+
+def test_interface_for_without_a_route_is_none():
+    assert net.interface_for("10.213.0.1", run=fake_ip("")) is None
+
+
+def test_interface_for_falls_back_to_proc_net_route_without_ip():
+    no_ip = lambda args: None  # noqa: E731
+    assert net.interface_for("10.213.4.4", run=no_ip, proc_route=PROC_ROUTE) == "ib0"
+
+
+def test_interface_for_loopback_on_this_machine():
+    assert net.interface_for("127.0.0.1") == "lo"
+
+
+def test_unresolvable_host_is_one_line():
+    with pytest.raises(ConfigError, match="does not resolve"):
+        net.resolve("no-such-host.invalid")
+
+
+def test_is_local_on_loopback_and_on_an_address_that_is_not_ours():
+    assert net.is_local("127.0.0.1") and net.is_local("localhost")
+    assert not net.is_local("192.0.2.254")  # TEST-NET-1: binding fails, no packet is sent
+
+
+def test_check_reachable_accepts_a_listener_and_a_refusal_on_loopback():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        net.check_reachable("127.0.0.1", server.getsockname()[1], timeout=5)
+        closed = server.getsockname()[1]
+    net.check_reachable("127.0.0.1", closed, timeout=5)  # refused: host up, store not yet
+
+
+def test_check_reachable_retries_then_gives_a_clear_error():
+    attempts = []
+
+    def probe(addr, port, seconds):
+        attempts.append(seconds)
+        return os.strerror(errno.EHOSTUNREACH)
+
+    with pytest.raises(ConfigError) as info:
+        net.check_reachable("10.213.0.99", 29400, timeout=1.5, probe=probe)
+    message = str(info.value)
+    assert message.startswith("rendezvous endpoint 10.213.0.99:29400 is not reachable from this "
+                              "node (No route to host")
+    assert "\n" not in message and len(attempts) >= 2
+
+
+def test_check_reachable_gives_up_at_once_without_a_route():
+    attempts = []
+
+    def probe(addr, port, seconds):
+        attempts.append(seconds)
+        return net.NO_ROUTE
+
+    with pytest.raises(ConfigError, match="Network is unreachable"):
+        net.check_reachable("10.213.0.99", 29400, timeout=60, probe=probe)
+    assert len(attempts) == 1
+
+
+def test_check_reachable_succeeds_when_the_host_comes_up():
+    answers = [os.strerror(errno.EHOSTUNREACH), None]
+    net.check_reachable("10.213.0.1", 29400, timeout=10, probe=lambda *a: answers.pop(0))
+    assert answers == []
+
+
+def test_node_network_on_the_rendezvous_host_uses_loopback_only_for_loopback_jobs():
+    plan = net.node_network("127.0.0.1:29400")
+    assert plan == net.NodeNetwork(iface="lo", local_addr="127.0.0.1", is_host=True)
+
+
+def test_node_network_keeps_an_explicit_interface():
+    plan = net.node_network("127.0.0.1:29400", iface="eth9")
+    assert plan.iface == "eth9" and plan.is_host
+
+
+def test_socket_env():
+    assert net.socket_env("eth1") == {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1"}
+    assert net.socket_env(None) == {}
