@@ -17,6 +17,7 @@ from .env import ClusterEnv, detect
 from .errors import ConfigError, DDPKitError
 from .evaluate import evaluate
 from .launchers import launch
+from .loop import CheckpointPolicy, Hook, fit
 from .precision import Precision
 from .runtime import Runtime, setup
 from .seed import seed_everything
@@ -25,8 +26,8 @@ from .wrap import unwrap
 __version__ = "0.1.0"
 
 __all__ = [
-    "Accumulator", "ClusterEnv", "ConfigError", "DDPKitError", "DistributedLoader", "Precision",
-    "Runtime", "barrier", "broadcast_object", "detect", "evaluate", "gather_object", "is_main",
+    "Accumulator", "CheckpointPolicy", "ClusterEnv", "ConfigError", "DDPKitError", "DistributedLoader", "Precision",
+    "Runtime", "barrier", "broadcast_object", "detect", "evaluate", "fit", "gather_object", "Hook", "is_main",
     "launch", "main_process_first", "make_loader", "print0", "reduce", "seed_everything",
     "setup", "unwrap", "__version__",
 ]

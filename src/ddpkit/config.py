@@ -32,7 +32,7 @@ class TrainConfig:
     """
 
     # launch
-    nproc: int = _opt(2, "processes on this node (default 2)")
+    nproc: int = _opt(2, "processes on this node")
     strategy: str = _opt("ddp", "how the model is replicated", ("ddp", "dp", "none"))
     backend: Optional[str] = _opt(None, "process group backend (default: nccl on GPU, gloo on CPU)")
     accelerator: str = _opt("auto", "device type", ("auto", "cpu", "cuda"))

@@ -109,7 +109,8 @@ class _Plain:
         pass
 
 
-def progress(iterable: Iterable[T], total: Optional[int], desc: str, enabled: bool = True) -> Any:
+def progress(iterable: Iterable[T], total: Optional[int], desc: str, enabled: bool = True,
+             samples_per_item: int = 1) -> Any:
     """A tqdm bar on rank 0 when stderr is a terminal; a plain wrapper otherwise.
 
     Both have ``set_postfix`` and ``close``.
@@ -123,4 +124,6 @@ def progress(iterable: Iterable[T], total: Optional[int], desc: str, enabled: bo
     if not (enabled and comm.is_main() and sys.stderr.isatty()):
         return _Plain(iterable)
     from tqdm.auto import tqdm
-    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+    # Counted in global samples, so the rate tqdm shows is the job's throughput.
+    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True,
+                unit="img", unit_scale=samples_per_item)

@@ -185,7 +185,7 @@ class _Fit:
         self.model.train()
         loss_sum, seen, start = torch.zeros((), dtype=torch.float64), 0, time.perf_counter()
         bar = progress(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
-                       self.o["progress"])
+                       self.o["progress"], self.loader.batch_size * self.rt.world_size)
         for batch in bar:
             loss = self._forward_backward(batch, self.loader.at_last_batch)
             for hook in self.o["hooks"]:

@@ -1,6 +1,5 @@
-"""Multi-node networking checks: which interface and address reach the rendezvous host, is it up.
-
-Used by ``ddpkit run`` before torchrun starts, so a wrong address is one line in seconds, not a hang.
+"""Multi-node networking: which interface and address reach the rendezvous host, is it up, and
+a watchdog so a node cut off from the others exits instead of hanging in torchrun's agent.
 """
 from __future__ import annotations
 
@@ -9,15 +8,18 @@ import ipaddress
 import os
 import socket
 import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 
 __all__ = ["Route", "NodeNetwork", "split_endpoint", "resolve", "parse_route_get",
            "parse_addresses", "parse_proc_route", "route_to", "interface_for", "is_local",
-           "check_reachable", "node_network", "socket_env"]
+           "check_reachable", "node_network", "socket_env", "rdzv_conf", "torchrun_extra_args",
+           "children", "AgentWatchdog"]
 
 #: Runs ``ip ARGS`` and returns its stdout, or None when ``ip`` is missing or fails.
 IpRunner = Callable[[Sequence[str]], Optional[str]]
@@ -306,3 +308,123 @@ def socket_env(iface: Optional[str]) -> Dict[str, str]:
         os.environ.update(socket_env("eth1"))
     """
     return {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface} if iface else {}
+
+
+def rdzv_conf(join_timeout: Optional[float] = None, read_timeout: Optional[float] = None,
+              is_host: Optional[bool] = None) -> str:
+    """The value of torchrun's ``--rdzv-conf`` for these settings ('' when all are None).
+
+    Example::
+
+        rdzv_conf(join_timeout=120, is_host=True)   # 'join_timeout=120,is_host=1'
+    """
+    parts = []
+    if join_timeout is not None:
+        parts.append(f"join_timeout={int(join_timeout)}")
+    if read_timeout is not None:
+        parts.append(f"read_timeout={int(read_timeout)}")
+    if is_host is not None:
+        parts.append(f"is_host={int(is_host)}")
+    return ",".join(parts)
+
+
+def torchrun_extra_args(plan: NodeNetwork, join_timeout: Optional[float] = None) -> List[str]:
+    """torchrun flags for a c10d multi-node run: who serves the store, which address to publish.
+
+    ``is_host`` stops torchrun guessing from the hostname (a node whose name resolves to
+    127.0.0.1 would otherwise never serve the store); ``--local-addr`` is what rank 0
+    publishes as MASTER_ADDR (torchrun's default, the FQDN, is often loopback).
+
+    Example::
+
+        torchrun_extra_args(NodeNetwork("eth0", "10.0.0.2", False), join_timeout=60)
+        # ['--local-addr', '10.0.0.2', '--rdzv-conf', 'join_timeout=60,is_host=0']
+    """
+    args = ["--local-addr", plan.local_addr] if plan.local_addr else []
+    conf = rdzv_conf(join_timeout=join_timeout, is_host=plan.is_host)
+    return args + ["--rdzv-conf", conf]
+
+
+def _stat(pid: str) -> Optional[Tuple[int, str]]:
+    """(parent pid, state letter) of ``pid`` from /proc, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # the command name may contain spaces and ')'
+    return int(fields[1]), fields[0]
+
+
+def children(pid: Optional[int] = None) -> Dict[int, str]:
+    """Child pid -> state letter (``R``, ``S``, ``Z`` for exited-but-not-reaped...) on Linux.
+
+    Example::
+
+        children()   # {4242: 'S'}
+    """
+    parent = os.getpid() if pid is None else pid
+    found: Dict[int, str] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        info = _stat(entry) if entry.isdigit() else None
+        if info is not None and info[0] == parent:
+            found[int(entry)] = info[1]
+    return found
+
+
+class AgentWatchdog:
+    """Exit when this process's workers have all exited but it has not reaped them for ``grace`` s.
+
+    torchrun's agent polls its workers between rendezvous-store calls; on a node cut off
+    from the store a call can block for many minutes, so dead workers stay unreaped zombies
+    and the launcher hangs. Used around the in-process torchrun call in ``ddpkit run``.
+
+    Example::
+
+        with AgentWatchdog("10.213.0.1:29400", grace=20):
+            torchrun(args)
+    """
+
+    def __init__(self, endpoint: str, grace: float = 20.0, interval: float = 1.0,
+                 exit: Callable[[int], Any] = os._exit,
+                 list_children: Callable[[], Dict[int, str]] = children) -> None:
+        self.endpoint, self.grace, self.interval = endpoint, grace, interval
+        self._exit, self._children = exit, list_children
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ddpkit-agent-watchdog",
+                                        daemon=True)
+
+    def __enter__(self) -> "AgentWatchdog":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        since: Optional[float] = None
+        while not self._stop.wait(self.interval):
+            kids = self._children()
+            all_dead = bool(kids) and all(state in "ZX" for state in kids.values())
+            since = (since or time.monotonic()) if all_dead else None
+            if since is not None and time.monotonic() - since >= self.grace:
+                self._give_up(sorted(kids))
+                return
+
+    def _give_up(self, pids: List[int]) -> None:
+        code = 1
+        for pid in pids:  # reap them ourselves: the agent never will
+            try:
+                _, status = os.waitpid(pid, os.WNOHANG)
+                code = max(code, os.waitstatus_to_exitcode(status) if status else 1)
+            except (ChildProcessError, OSError):
+                pass
+        sys.stderr.write(f"ddpkit run: this node's workers exited {self.grace:.0f} s ago but "
+                         f"torchrun's agent is stuck on the rendezvous store {self.endpoint} "
+                         "(network partition, or the store's node is gone); exiting\n")
+        sys.stderr.flush()
+        self._exit(code if code > 0 else 1)
