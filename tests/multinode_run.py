@@ -38,16 +38,25 @@ def wired_run(cfg: launchers.RunConfig, original=launchers.run,
     """What ``launchers.run`` would do with the proposed change."""
     if cfg.nnodes <= 1:
         return original(cfg)
-    if not cfg.rdzv_endpoint:
-        launchers._validate(cfg)
-        _static_checks(cfg)
-        return original(cfg)
     launchers._validate(cfg)
+    if not cfg.rdzv_endpoint:
+        _static_checks(cfg)
+        extra = ["--rdzv-conf", f"timeout={int(rdzv_timeout)}"] if rdzv_timeout else []
+        return _with_args(cfg, original, extra)
     plan = net.node_network(cfg.rdzv_endpoint, cfg.iface)
     os.environ.update(net.socket_env(plan.iface))
     # A fresh store per rendezvous round (hosted by worker rank 0): no stale keys after restarts.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     extra = net.torchrun_extra_args(plan, join_timeout=rdzv_timeout)
+    with net.AgentWatchdog(cfg.rdzv_endpoint):
+        try:
+            return _with_args(cfg, original, extra)
+        except Exception as exc:
+            raise net.rendezvous_failure(exc, cfg.rdzv_endpoint, cfg.nnodes, rdzv_timeout) or exc
+
+
+def _with_args(cfg: launchers.RunConfig, original, extra: List[str]) -> int:
+    """Run with ``extra`` torchrun flags before the script (torchrun_args, patched)."""
     plain = launchers.torchrun_args
 
     def with_extra(c: launchers.RunConfig, nproc: int) -> List[str]:
@@ -56,8 +65,7 @@ def wired_run(cfg: launchers.RunConfig, original=launchers.run,
         return args[:cut] + extra + args[cut:]
 
     launchers.torchrun_args = with_extra
-    with net.AgentWatchdog(cfg.rdzv_endpoint):
-        return original(cfg)
+    return original(cfg)
 
 
 def _pop_flag(argv: List[str], flag: str) -> Optional[str]:

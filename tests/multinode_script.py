@@ -22,6 +22,15 @@ from ddpkit.loop import CheckpointPolicy, Hook, fit
 from resume_script import CLASSES, FEATURES, Indexed, Ledger
 
 
+class RoundLedger(Ledger):
+    """resume_script's ledger, one file per start position: the attempt number is the step the
+    run resumed from, the same on every node (restart counts are per node and can differ)."""
+
+    def on_fit_start(self, loop):
+        self.attempt = loop.state.step
+        super().on_fit_start(loop)
+
+
 class Slow(Hook):
     """Sleeps after every step so that a run lasts long enough to be interrupted."""
 
@@ -53,7 +62,7 @@ def train(out: str, timeout_s: float, step_sleep: float, epochs: int = 3) -> Non
     loader = rt.loader(Indexed(), batch_size=8, seed=7)
     # The checkpoint directory must be shared by the nodes (as on a cluster file system).
     policy = CheckpointPolicy(os.path.join(out, "ckpt"), every_steps=2, keep=2, resume="auto")
-    hooks = [Ledger(out, rt.env.restart_count, -1, -1), Slow(step_sleep)]
+    hooks = [RoundLedger(out, 0, -1, -1), Slow(step_sleep)]
     state = fit(rt, model, optimizer, loader, epochs=epochs, scheduler=scheduler,
                 scheduler_interval="step", checkpoint=policy, hooks=hooks, progress=False,
                 eval_data=None)

@@ -19,6 +19,7 @@ from .errors import ConfigError
 __all__ = ["Route", "NodeNetwork", "split_endpoint", "resolve", "parse_route_get",
            "parse_addresses", "parse_proc_route", "route_to", "interface_for", "is_local",
            "check_reachable", "node_network", "socket_env", "rdzv_conf", "torchrun_extra_args",
+           "rendezvous_failure",
            "children", "AgentWatchdog"]
 
 #: Runs ``ip ARGS`` and returns its stdout, or None when ``ip`` is missing or fails.
@@ -333,16 +334,41 @@ def torchrun_extra_args(plan: NodeNetwork, join_timeout: Optional[float] = None)
 
     ``is_host`` stops torchrun guessing from the hostname (a node whose name resolves to
     127.0.0.1 would otherwise never serve the store); ``--local-addr`` is what rank 0
-    publishes as MASTER_ADDR (torchrun's default, the FQDN, is often loopback).
+    publishes as MASTER_ADDR (torchrun's default, the FQDN, is often loopback). With a
+    ``join_timeout`` a node also waits at most that long for the store's node to come up.
 
     Example::
 
         torchrun_extra_args(NodeNetwork("eth0", "10.0.0.2", False), join_timeout=60)
-        # ['--local-addr', '10.0.0.2', '--rdzv-conf', 'join_timeout=60,is_host=0']
+        # ['--local-addr', '10.0.0.2', '--rdzv-conf', 'join_timeout=60,read_timeout=60,is_host=0']
     """
     args = ["--local-addr", plan.local_addr] if plan.local_addr else []
-    conf = rdzv_conf(join_timeout=join_timeout, is_host=plan.is_host)
+    conf = rdzv_conf(join_timeout=join_timeout, read_timeout=join_timeout, is_host=plan.is_host)
     return args + ["--rdzv-conf", conf]
+
+
+def rendezvous_failure(exc: BaseException, endpoint: str, nnodes: int,
+                       timeout: Optional[float]) -> Optional[ConfigError]:
+    """A one-line :class:`ConfigError` for torchrun's rendezvous errors (None for others).
+
+    Example::
+
+        except Exception as exc:
+            raise rendezvous_failure(exc, "10.0.0.1:29400", 2, 60) or exc
+    """
+    kind = type(exc).__name__
+    waited = f"{timeout:.0f} s" if timeout else "the rendezvous timeout"
+    if kind == "RendezvousTimeoutError":
+        return ConfigError(f"the rendezvous at {endpoint} did not gather {nnodes} nodes within "
+                           f"{waited}: start every node within --rdzv-timeout of the first, "
+                           "with the same --nnodes and --rdzv-endpoint")
+    if kind == "RendezvousConnectionError":
+        return ConfigError(f"lost the rendezvous store at {endpoint} (waited {waited}): its node "
+                           "is gone or unreachable, or gave up waiting for this node")
+    if kind == "RendezvousClosedError":
+        return ConfigError(f"the rendezvous at {endpoint} is closed: the job already ended on "
+                           "the other nodes")
+    return None
 
 
 def _stat(pid: str) -> Optional[Tuple[int, str]]:

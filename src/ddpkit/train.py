@@ -25,6 +25,7 @@ from .loop import CheckpointPolicy, TrainState, fit
 from .models import available_models, build_model, model_summary
 from .precision import Precision
 from .runtime import Runtime, setup
+from .seed import seed_everything
 
 __all__ = ["train", "check_config", "micro_batch_size"]
 
@@ -147,6 +148,9 @@ def train(cfg: TrainConfig) -> TrainState:
     banner(rt.env, rt.device, rt.backend)
     train_set, test_set = _datasets(cfg)
     model = _model(cfg, rt, train_set)
+    # Weights were initialised identically; from here on each rank gets its own random stream,
+    # so augmentation done in the main process (workers=0) differs between ranks.
+    seed_everything(cfg.seed, rank_offset=1 + rt.rank)
     micro = micro_batch_size(cfg, rt.world_size)
     loader = rt.loader(train_set, batch_size=cfg.batch_size, per_rank_batch=micro,
                        seed=cfg.seed, num_workers=cfg.workers)

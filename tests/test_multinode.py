@@ -1,0 +1,358 @@
+"""Several machines for real: nodes are network namespaces on a bridge (tests/netns.py), real TCP.
+
+Needs root (as CI has); skips with the reason otherwise. The failure scenarios run side by side in
+one fixture, each in its own cluster, so the file stays within about three minutes.
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import resume_script
+from netns import Cluster, available, sweep_stale
+from test_resume import assert_bitwise_equal, assert_every_sample_once
+
+OK, WHY = available()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=WHY)]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PY = sys.executable
+RUN = [PY, "-m", "ddpkit", "run"]                      # ddpkit run as it is
+WIRED = [PY, os.path.join(HERE, "multinode_run.py")]  # ... plus the proposed ddpkit.net wiring
+RESUME = os.path.join(HERE, "resume_script.py")
+SLOW_JOB = os.path.join(HERE, "multinode_script.py")
+PORT = 29400
+TIMEOUT_S = 6  # collective timeout of the fault scenarios
+
+
+def ledger_lines(out):
+    """Batches recorded so far by rank 0 (all attempts)."""
+    return sum(sum(1 for _ in open(p)) for p in glob.glob(os.path.join(out, "ledger-r0-*")))
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.2)
+
+
+def merged_ledgers(dirs, into):
+    os.makedirs(into, exist_ok=True)
+    for d in dirs:
+        for path in glob.glob(os.path.join(d, "ledger-*")):
+            shutil.copy(path, into)
+    return into
+
+
+def node_args(c, nnodes=2, extra=()):
+    return ["--nnodes", str(nnodes), "--nproc", "1", "--rdzv-endpoint", f"{c.ip(0)}:{PORT}",
+            *extra]
+
+
+# ----------------------------------------------------------------------------- the harness
+
+SERVER = """import socket
+s = socket.create_server(("0.0.0.0", 5000)); conn, _ = s.accept(); print(conn.recv(64).decode())"""
+CLIENT = """import socket, time
+for _ in range(50):
+    try:
+        socket.create_connection((%r, 5000), timeout=2).sendall(b"hello from " + socket.gethostname().encode()); break
+    except OSError: time.sleep(0.1)"""
+
+
+def test_harness_nodes_talk_by_name_cannot_leave_and_are_removed(tmp_path):
+    with Cluster(2, workdir=tmp_path) as c:
+        names = [c.ns(0), c.ns(1), c.switch]
+        c.start(0, [PY, "-c", SERVER])
+        c.start(1, [PY, "-c", CLIENT % c.hostname(0)])
+        assert c.wait(timeout=30) == [0, 0], c.tails()
+        assert f"hello from {c.hostname(1)}" in c.output(0)
+        # A route lookup (it sends nothing): nodes have no way out of the test subnet.
+        out = subprocess.run(c.command(0, ["ip", "route", "get", "192.0.2.1"]),
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and "unreachable" in out.stderr
+        c.shape(1, "100mbit")
+        qdiscs = subprocess.run(["ip", "netns", "exec", c.switch, "tc", "qdisc", "show"],
+                                capture_output=True, text=True).stdout
+        assert "tbf" in qdiscs and "100Mbit" in qdiscs
+        c.link_down(1)
+        assert "state DOWN" in subprocess.run(["ip", "-n", c.switch, "link", "show", "p1"],
+                                              capture_output=True, text=True).stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in names)
+    assert not any(os.path.exists(f"/etc/netns/{name}") for name in names)
+
+
+def test_harness_cleans_up_after_an_error_and_a_timeout(tmp_path):
+    with pytest.raises(TimeoutError, match="still running"):
+        with Cluster(1, workdir=tmp_path) as c:
+            c.start(0, [PY, "-c", "import time; time.sleep(120)"])
+            pid, name = c.procs[0].pid, c.ns(0)
+            c.wait(timeout=1)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert name not in listed
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert sweep_stale() == []
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """1 node x 2 processes over loopback, started at once so it overlaps the first test."""
+    out = tmp_path_factory.mktemp("reference")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen(RUN + ["--nproc", "2", RESUME, "--out", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def result():
+        if proc.poll() is None or not hasattr(result, "value"):
+            log, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, log
+            assert_every_sample_once(str(out), 3)
+            result.value = torch.load(out / "final.pt", weights_only=True)
+        return result.value
+
+    yield result
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_two_nodes_by_one_process_train_bitwise_like_one_node_by_two(tmp_path, reference):
+    outs = [str(tmp_path / f"out{i}") for i in range(2)]
+    with Cluster(2, workdir=tmp_path / "nodes") as c:
+        for i in range(2):
+            os.makedirs(outs[i])
+            c.start(i, RUN + node_args(c, extra=["--node-rank", str(i)])
+                    + [RESUME, "--out", outs[i]], cwd=ROOT)
+        assert c.wait(timeout=200) == [0, 0], c.tails()
+    # Each node wrote its own rank's ledger; rank 0 (node 0: hostnames sort) the result.
+    final = torch.load(os.path.join(outs[0], "final.pt"), weights_only=True)
+    expected = reference()
+    assert final["step"] == expected["step"] == 3 * resume_script.SAMPLES // 8
+    assert_bitwise_equal(final["params"], expected["params"])
+    assert_every_sample_once(merged_ledgers(outs, str(tmp_path / "all")), 3)
+
+
+# ----------------------------------------------------------------------------- restart
+
+def test_link_down_then_up_restarts_from_the_latest_checkpoint(tmp_path, reference):
+    """Hostnames resolving to loopback (hostnames=False), as on many clusters: ddpkit.net finds
+    the interface and address itself. The out dir is shared, like a cluster file system."""
+    shared = str(tmp_path / "shared")
+    os.makedirs(shared)
+    job = [SLOW_JOB, "--out", shared, "--timeout-s", str(TIMEOUT_S), "--step-sleep", "0.3"]
+    with Cluster(2, workdir=tmp_path / "nodes", hostnames=False) as c:
+        for i in range(2):
+            c.start(i, WIRED + node_args(c, extra=["--max-restarts", "1"]) + job, cwd=ROOT)
+        wait_for(lambda: ledger_lines(shared) >= 8, 150, "8 training steps")
+        cut = time.monotonic()
+        c.link_down(1)
+        wait_for(lambda: all(c.first(i, f"Timed out waiting {TIMEOUT_S}000ms") for i in (0, 1)),
+                 TIMEOUT_S + 30, "a collective timeout on both nodes")
+        for i in (0, 1):
+            assert c.first(i, f"Timed out waiting {TIMEOUT_S}000ms") - cut < TIMEOUT_S + 20
+        c.link_up(1)
+        assert c.wait(timeout=180) == [0, 0], c.tails()
+        assert "resumed from" in c.output(0) and "GLOO" not in c.output(0)
+    final = torch.load(os.path.join(shared, "final.pt"), weights_only=True)
+    expected = reference()
+    assert final["step"] == expected["step"]
+    assert_bitwise_equal(final["params"], expected["params"])
+    assert_every_sample_once(shared, 3)
+
+
+# ----------------------------------------------------------------------------- failures
+
+def _partition(tmp):
+    """No restarts: cut node 1 mid-training; both nodes must exit non-zero, none hang."""
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+    job = [SLOW_JOB, "--out", out, "--timeout-s", str(TIMEOUT_S), "--step-sleep", "0.3"]
+    with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
+        for i in range(2):
+            c.start(i, WIRED + node_args(c) + job, cwd=ROOT)
+        wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
+        cut = time.monotonic()
+        c.link_down(1)
+        return _finish(c, 120, cut=cut)
+
+
+def _kill(tmp):
+    """Node 1 dies (launcher and worker, kill -9): node 0 must exit non-zero quickly."""
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+    job = [SLOW_JOB, "--out", out, "--timeout-s", "60", "--step-sleep", "0.3"]
+    with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
+        for i in range(2):
+            c.start(i, RUN + node_args(c) + job, cwd=ROOT)
+        wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
+        cut = time.monotonic()
+        c.kill(1)
+        return _finish(c, 90, cut=cut, nodes=[0])
+
+
+def _unreachable(tmp):
+    """The rendezvous endpoint is an address in the subnet where no node lives."""
+    with Cluster(1, workdir=os.path.join(tmp, "nodes")) as c:
+        start = time.monotonic()
+        c.start(0, WIRED + ["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
+                            f"10.213.0.99:{PORT}", RESUME, "--out", tmp])
+        return _finish(c, 120, cut=start)
+
+
+def _same_node_rank(tmp):
+    """Static rendezvous, both nodes say --node-rank 0."""
+    with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
+        start = time.monotonic()
+        for i in range(2):
+            c.start(i, WIRED + ["--nnodes", "2", "--nproc", "1", "--node-rank", "0",
+                                "--master-addr", c.ip(0), "--master-port", "29500",
+                                "--rdzv-timeout", "20", RESUME, "--out", tmp], cwd=ROOT)
+        return _finish(c, 120, cut=start)
+
+
+def _mismatched_nnodes(tmp):
+    with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
+        start = time.monotonic()
+        for i, nnodes in enumerate((2, 3)):
+            c.start(i, WIRED + node_args(c, nnodes, ["--rdzv-timeout", "20"])
+                    + [RESUME, "--out", tmp], cwd=ROOT)
+        return _finish(c, 120, cut=start)
+
+
+def _late(delay, rdzv_timeout):
+    def scenario(tmp):
+        outs = [os.path.join(tmp, f"out{i}") for i in range(2)]
+        with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
+            start = time.monotonic()
+            for i in range(2):
+                os.makedirs(outs[i])
+                c.start(i, WIRED + node_args(c, extra=["--rdzv-timeout", str(rdzv_timeout)])
+                        + [RESUME, "--out", outs[i]], cwd=ROOT)
+                if i == 0:
+                    time.sleep(delay)
+            return _finish(c, 150, cut=start)
+    return scenario
+
+
+def _finish(c, timeout, cut, nodes=None):
+    """Wait for ``nodes``; return each one's exit code, seconds after ``cut``, and output."""
+    chosen = list(range(c.nodes)) if nodes is None else nodes
+    ended = {}
+    deadline = time.monotonic() + timeout
+    while len(ended) < len(chosen) and time.monotonic() < deadline:
+        for i in chosen:
+            if i not in ended and c.procs[i].poll() is not None:
+                ended[i] = time.monotonic() - cut
+        time.sleep(0.1)
+    hung = [i for i in chosen if i not in ended]
+    c.wait(timeout=5, nodes=[i for i in chosen if i in ended])
+    return {"codes": [c.procs[i].poll() for i in chosen], "after": [ended.get(i) for i in chosen],
+            "hung": hung, "out": [c.output(i) for i in chosen], "first": c.first}
+
+
+SCENARIOS = {"partition": _partition, "kill": _kill, "unreachable": _unreachable,
+             "same_node_rank": _same_node_rank, "nnodes": _mismatched_nnodes,
+             "late_within": _late(15, 90), "late_beyond": _late(30, 12)}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Every failure scenario at once, each in its own cluster (they mostly wait)."""
+    results = {}
+
+    def run(name, fn):
+        try:
+            results[name] = fn(str(tmp_path_factory.mktemp(name)))
+        except Exception as exc:  # reported by the test that reads it
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=item) for item in SCENARIOS.items()]
+    for t in threads:
+        t.start()
+        time.sleep(1.5)  # stagger the torch imports a little
+    for t in threads:
+        t.join()
+    return results
+
+
+def outcome(outcomes, name):
+    result = outcomes[name]
+    if isinstance(result, Exception):
+        raise result
+    assert not result["hung"], f"{name}: nodes {result['hung']} hung:\n" + "\n".join(
+        o[-2000:] for o in result["out"])
+    return result
+
+
+def error_line(output):
+    lines = [line for line in output.splitlines() if line.startswith(("error:", "ddpkit run:"))]
+    return lines[-1] if lines else output[-1500:]
+
+
+def test_partition_every_node_exits_with_the_collective_timeout(outcomes):
+    r = outcome(outcomes, "partition")
+    assert all(code != 0 for code in r["codes"]), r["codes"]
+    for out in r["out"]:
+        assert f"Timed out waiting {TIMEOUT_S}000ms" in out  # gloo names the collective's wait
+        assert "all_gather" in out or "allreduce" in out or "all_reduce" in out
+    # node 0 serves the store and notices at once; cut-off node 1 is freed by the watchdog
+    assert r["after"][0] < TIMEOUT_S + 25, r["after"]
+    assert r["after"][1] < TIMEOUT_S + 20 + 30, r["after"]
+    assert "torchrun's agent is stuck on the rendezvous store" in r["out"][1]
+
+
+def test_killed_node_makes_the_other_exit_quickly(outcomes):
+    r = outcome(outcomes, "kill")
+    assert r["codes"][0] != 0
+    assert r["after"][0] < 30, r["after"]
+    assert "ddpkit run: rank 0 failed" in r["out"][0]
+    assert "Connection closed by peer" in r["out"][0] or "Connection reset" in r["out"][0]
+
+
+def test_unreachable_endpoint_is_one_line_in_bounded_time(outcomes):
+    r = outcome(outcomes, "unreachable")
+    assert r["codes"] == [2]
+    assert error_line(r["out"][0]).startswith(
+        f"error: rendezvous endpoint 10.213.0.99:{PORT} is not reachable from this node")
+    assert r["after"][0] < 90
+
+
+def test_two_nodes_claiming_the_same_node_rank(outcomes):
+    r = outcome(outcomes, "same_node_rank")
+    assert r["codes"][1] == 2
+    assert error_line(r["out"][1]) == (
+        "error: --node-rank 0 must run on the --master-addr host 10.213.0.1, which is not an "
+        "address of this node: give this node another --node-rank")
+    assert r["codes"][0] != 0  # node 0 waits --rdzv-timeout for a node rank 1, then gives up
+
+
+def test_mismatched_nnodes_give_a_clear_error_on_every_node(outcomes):
+    r = outcome(outcomes, "nnodes")
+    assert r["codes"] == [2, 2], [error_line(o) for o in r["out"]]
+    for out, nnodes in zip(r["out"], (2, 3)):
+        assert error_line(out).startswith(f"error: the rendezvous at 10.213.0.1:{PORT} did not "
+                                          f"gather {nnodes} nodes within 20 s")
+
+
+def test_a_node_started_late_but_within_the_rendezvous_timeout_joins(outcomes):
+    r = outcome(outcomes, "late_within")
+    assert r["codes"] == [0, 0], [o[-1500:] for o in r["out"]]
+
+
+def test_a_node_started_beyond_the_rendezvous_timeout_gets_a_clear_error(outcomes):
+    r = outcome(outcomes, "late_beyond")
+    assert r["codes"] == [2, 2], [error_line(o) for o in r["out"]]
+    assert "did not gather 2 nodes within 12 s" in error_line(r["out"][0])
+    assert error_line(r["out"][1]).startswith("error: ")
