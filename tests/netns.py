@@ -151,6 +151,7 @@ class Cluster:
         self.tag = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=self.tag + "-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.procs: Dict[int, subprocess.Popen] = {}
         self._created: List[str] = []
         self._pumps: List[threading.Thread] = []

@@ -16,7 +16,7 @@ from torch import nn
 from . import comm
 from .accumulate import Accumulator
 from .checkpoint import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
-                         resolve_resume, save_checkpoint)
+                         load_checkpoint, resolve_resume, save_checkpoint)
 from .data import DistributedLoader
 from .errors import DDPKitError
 from .log import RunLogger, progress
@@ -117,11 +117,15 @@ class _Fit:
     def restore(self) -> None:
         if self.ckpt is None or not self.ckpt.resume:
             return
-        found = resolve_resume(self.ckpt.resume, self.ckpt.directory)
-        if found is None:
+        # Rank 0 chooses, so every rank resumes from the same file even if one is being damaged.
+        found = (resolve_resume(self.ckpt.resume, self.ckpt.directory, self.rt.device)
+                 if self.rt.is_main else None)
+        chosen = comm.broadcast_object(str(found[0]) if found else None)
+        if chosen is None:
             comm.print0(f"no checkpoint in {self.ckpt.directory}: starting fresh")
             return
-        path, ckpt = found
+        path = chosen
+        ckpt = found[1] if found else load_checkpoint(chosen, map_location=self.rt.device)
         net = unwrap(self.model)
         check_compatible(ckpt["model"], net.state_dict())
         check_optimizer_compatible(ckpt["optimizer"], self.optimizer)
