@@ -139,3 +139,16 @@ def fit_run(epochs: int, global_batch: int, seed: int = 0):
     state = fit(rt, model, opt, loader, epochs=epochs, eval_data=data, progress=False)
     return {"params": [p.detach().clone() for p in rt.unwrap(model).parameters()],
             "history": state.history, "steps": state.step}
+
+
+def one_rank_skips_the_barrier(timeout_s: float):
+    """Rank 1 never reaches the barrier: rank 0 must fail after the collective timeout, not hang."""
+    import time
+    from datetime import timedelta
+
+    rt = ddpkit.setup(timeout=timedelta(seconds=timeout_s))
+    if rt.rank == 1:
+        time.sleep(60)
+        return None
+    rt.barrier()
+    return "barrier passed"

@@ -112,3 +112,10 @@ def test_two_processes_train_the_same_model_as_one():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert two["history"][-1]["eval/count"] == one["history"][-1]["eval/count"] == 203
     assert two["history"][-1]["eval/top1"] == pytest.approx(one["history"][-1]["eval/top1"], abs=0.5)
+
+
+def test_a_missing_collective_times_out_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="(?si)rank 0 failed.*(timed out|timeout)"):
+        ddpkit.launch(rankfns.one_rank_skips_the_barrier, 2, 3.0, timeout=50)
+    assert time.monotonic() - start < 45
