@@ -23,3 +23,13 @@ def env_without_launcher(monkeypatch):
         if key in LAUNCH_VARS or key.startswith(("SLURM_", "TORCHELASTIC_")):
             monkeypatch.delenv(key)
     return os.environ
+
+
+MULTINODE_FILES = ("test_multinode.py", "test_net.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Multi-node (network namespace) tests carry the `multinode` marker: `make test-multinode`."""
+    for item in items:
+        if item.path.name in MULTINODE_FILES:
+            item.add_marker(pytest.mark.multinode)

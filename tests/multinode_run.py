@@ -42,12 +42,17 @@ def wired_run(cfg: launchers.RunConfig, original=launchers.run,
     if not cfg.rdzv_endpoint:
         _static_checks(cfg)
         extra = ["--rdzv-conf", f"timeout={int(rdzv_timeout)}"] if rdzv_timeout else []
-        return _with_args(cfg, original, extra)
+        endpoint = f"{cfg.master_addr}:{cfg.master_port or 29500}"
+        try:
+            return _with_args(cfg, original, extra)
+        except Exception as exc:
+            raise net.rendezvous_failure(exc, endpoint, cfg.nnodes, rdzv_timeout) or exc
     plan = net.node_network(cfg.rdzv_endpoint, cfg.iface)
     os.environ.update(net.socket_env(plan.iface))
     # A fresh store per rendezvous round (hosted by worker rank 0): no stale keys after restarts.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     extra = net.torchrun_extra_args(plan, join_timeout=rdzv_timeout)
+    net.watch_nnodes(cfg.rdzv_endpoint, cfg.nnodes, cfg.rdzv_id or "ddpkit", rdzv_timeout or 600)
     with net.AgentWatchdog(cfg.rdzv_endpoint):
         try:
             return _with_args(cfg, original, extra)

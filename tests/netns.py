@@ -1,6 +1,6 @@
 """K "machines" on one host: network namespaces joined by veth pairs to a bridge, for real TCP.
 
-Each node has its own stack, address, hostname and ``/etc/hosts``; nothing touches the host's network.
+Each node has its own stack, address, hostname and /etc/hosts; the host's network is untouched.
 
     with Cluster(2) as c:
         c.start(0, ["python", "-m", "ddpkit", "run", ...]); c.start(1, [...])
@@ -71,7 +71,8 @@ def _probe() -> Tuple[bool, str]:
     if made.returncode != 0:
         return False, f"'ip netns add' is not permitted here: {made.stderr.strip()}"
     try:
-        veth = _ip("-n", name, "link", "add", "name", "va", "type", "veth", "peer", "name", "vb", check=False)
+        veth = _ip("-n", name, "link", "add", "name", "va", "type", "veth", "peer", "name", "vb",
+                   check=False)
         if veth.returncode != 0:
             return False, f"veth pairs are not available: {veth.stderr.strip()}"
         bridge = _ip("-n", name, "link", "add", "name", "br0", "type", "bridge", check=False)
@@ -154,7 +155,7 @@ class Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.procs: Dict[int, subprocess.Popen] = {}
         self._created: List[str] = []
-        self._pumps: List[threading.Thread] = []
+        self._pumps: Dict[int, List[threading.Thread]] = {}
         #: (monotonic time, node, line) of everything the nodes printed, in arrival order.
         self.lines: List[Tuple[float, int, str]] = []
 
@@ -237,8 +238,10 @@ class Cluster:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        for pump in self._pumps:
-            pump.join(timeout=5)
+        for pumps in self._pumps.values():
+            for pump in pumps:
+                pump.join(timeout=5)
+        atexit.unregister(self.close)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -275,7 +278,7 @@ class Cluster:
             pump = threading.Thread(target=self._pump, daemon=True,
                                     args=(node, stream, getattr(proc, "std" + stream)))
             pump.start()
-            self._pumps.append(pump)
+            self._pumps.setdefault(node, []).append(pump)
         return proc
 
     def _pump(self, node: int, stream: str, pipe: IO[bytes]) -> None:
@@ -321,8 +324,9 @@ class Cluster:
                 raise TimeoutError(f"nodes {running} still running after {timeout:.0f} s "
                                    f"(all killed)\n{self.tails()}")
             time.sleep(0.1)
-        for pump in self._pumps:
-            pump.join(timeout=2)  # the last lines, unless an orphan still holds the pipe
+        for i in chosen:
+            for pump in self._pumps.get(i, []):
+                pump.join(timeout=2)  # the last lines, unless an orphan still holds the pipe
         return [self.procs[i].returncode for i in chosen]
 
     def tails(self, lines: int = 15) -> str:

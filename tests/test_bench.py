@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from ddpkit.bench import ROWS, BenchConfig, parse_rows, plan_row, skip_reason
-from ddpkit.bench_report import (efficiency, median, percentile, render_table, repeat_figures,
-                                 summarize)
+from ddpkit.bench_report import (cpu_share, efficiency, median, percentile, render_table,
+                                 repeat_figures, summarize)
 from ddpkit.errors import ConfigError
 
 CPU_CAPS = {"cuda_count": 0, "horovod_missing": "horovod is not installed", "native_bf16": False,
@@ -50,6 +50,11 @@ def test_repeat_figures_take_the_slowest_rank_per_step():
     figs = repeat_figures([[1.0, 2.0, 1.0], [1.5, 1.0, 1.0]], global_batch=100)
     assert figs["step_ms_median"] == pytest.approx(1500.0)  # steps: 1.5, 2.0, 1.0
     assert figs["images_s"] == pytest.approx(100 / 1.5)
+
+
+def test_cpu_share_is_cpu_seconds_per_wall_second_and_thread():
+    assert cpu_share([[2.0, 2.0]], [[1.0, 1.0]], [1]) == pytest.approx(0.5)
+    assert cpu_share([[1.0], [1.0]], [[2.0], [1.0]], [2, 1]) == pytest.approx(1.0)
 
 
 def _record(name, ips_per_round, workers=2, status="ok", reason=None):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import resume_script
-from netns import Cluster, available, sweep_stale
+from netns import Cluster, available
 from test_resume import assert_bitwise_equal, assert_every_sample_once
 
 OK, WHY = available()
@@ -65,8 +65,11 @@ s = socket.create_server(("0.0.0.0", 5000)); conn, _ = s.accept(); print(conn.re
 CLIENT = """import socket, time
 for _ in range(50):
     try:
-        socket.create_connection((%r, 5000), timeout=2).sendall(b"hello from " + socket.gethostname().encode()); break
-    except OSError: time.sleep(0.1)"""
+        conn = socket.create_connection((%r, 5000), timeout=2)
+        conn.sendall(b"hello from " + socket.gethostname().encode())
+        break
+    except OSError:
+        time.sleep(0.1)"""
 
 
 def test_harness_nodes_talk_by_name_cannot_leave_and_are_removed(tmp_path):
@@ -102,26 +105,26 @@ def test_harness_cleans_up_after_an_error_and_a_timeout(tmp_path):
     assert name not in listed
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    assert sweep_stale() == []
 
 
 # ----------------------------------------------------------------------------- equivalence
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """1 node x 2 processes over loopback, started at once so it overlaps the first test."""
+    """1 node x 2 processes over loopback; started at once, so it overlaps the first test."""
     out = tmp_path_factory.mktemp("reference")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.Popen(RUN + ["--nproc", "2", RESUME, "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cache = {}
 
     def result():
-        if proc.poll() is None or not hasattr(result, "value"):
+        if not cache:
             log, _ = proc.communicate(timeout=240)
             assert proc.returncode == 0, log
             assert_every_sample_once(str(out), 3)
-            result.value = torch.load(out / "final.pt", weights_only=True)
-        return result.value
+            cache.update(torch.load(out / "final.pt", weights_only=True))
+        return cache
 
     yield result
     if proc.poll() is None:
@@ -164,7 +167,7 @@ def test_link_down_then_up_restarts_from_the_latest_checkpoint(tmp_path, referen
             assert c.first(i, f"Timed out waiting {TIMEOUT_S}000ms") - cut < TIMEOUT_S + 20
         c.link_up(1)
         assert c.wait(timeout=180) == [0, 0], c.tails()
-        assert "resumed from" in c.output(0) and "GLOO" not in c.output(0)
+        assert "resumed from" in c.output(0)
     final = torch.load(os.path.join(shared, "final.pt"), weights_only=True)
     expected = reference()
     assert final["step"] == expected["step"]
@@ -226,7 +229,7 @@ def _mismatched_nnodes(tmp):
     with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
         start = time.monotonic()
         for i, nnodes in enumerate((2, 3)):
-            c.start(i, WIRED + node_args(c, nnodes, ["--rdzv-timeout", "20"])
+            c.start(i, WIRED + node_args(c, nnodes, ["--rdzv-timeout", "90"])
                     + [RESUME, "--out", tmp], cwd=ROOT)
         return _finish(c, 120, cut=start)
 
@@ -305,8 +308,10 @@ def test_partition_every_node_exits_with_the_collective_timeout(outcomes):
     r = outcome(outcomes, "partition")
     assert all(code != 0 for code in r["codes"]), r["codes"]
     for out in r["out"]:
-        assert f"Timed out waiting {TIMEOUT_S}000ms" in out  # gloo names the collective's wait
-        assert "all_gather" in out or "allreduce" in out or "all_reduce" in out
+        # gloo's words for the stuck collective; the traceback shows where (DDP's all-reduce
+        # runs inside backward, a checkpoint's all_gather in save)
+        assert f"Timed out waiting {TIMEOUT_S}000ms" in out
+        assert any(name in out for name in ("backward", "all_gather", "all_reduce", "barrier"))
     # node 0 serves the store and notices at once; cut-off node 1 is freed by the watchdog
     assert r["after"][0] < TIMEOUT_S + 25, r["after"]
     assert r["after"][1] < TIMEOUT_S + 20 + 30, r["after"]
@@ -335,15 +340,22 @@ def test_two_nodes_claiming_the_same_node_rank(outcomes):
     assert error_line(r["out"][1]) == (
         "error: --node-rank 0 must run on the --master-addr host 10.213.0.1, which is not an "
         "address of this node: give this node another --node-rank")
-    assert r["codes"][0] != 0  # node 0 waits --rdzv-timeout for a node rank 1, then gives up
+    # node 0 waits --rdzv-timeout for a node rank 1, then gives up with one line too
+    assert r["codes"][0] == 2
+    line = error_line(r["out"][0])
+    assert line.startswith("error: the rendezvous at 10.213.0.1:29500 did not gather 2 nodes "
+                           "within 20 s (Timed out after") and "1/2 clients joined" in line
 
 
 def test_mismatched_nnodes_give_a_clear_error_on_every_node(outcomes):
     r = outcome(outcomes, "nnodes")
     assert r["codes"] == [2, 2], [error_line(o) for o in r["out"]]
-    for out, nnodes in zip(r["out"], (2, 3)):
-        assert error_line(out).startswith(f"error: the rendezvous at 10.213.0.1:{PORT} did not "
-                                          f"gather {nnodes} nodes within 20 s")
+    for out, (mine, other) in zip(r["out"], ((2, 3), (3, 2))):
+        assert error_line(out) == (
+            f"error: this node was started with --nnodes {mine} but another node of the "
+            f"rendezvous at 10.213.0.1:{PORT} with --nnodes {other}: use the same --nnodes on "
+            "every node")
+    assert max(r["after"]) < 60, r["after"]  # not the 20 s rendezvous timeout plus startup
 
 
 def test_a_node_started_late_but_within_the_rendezvous_timeout_joins(outcomes):

@@ -1,7 +1,10 @@
-"""ddpkit.net without a network: parsing of injected ``ip`` output, reachability on loopback only."""
+"""ddpkit.net without a network: parsing injected ``ip`` output; reachability on loopback only."""
 import errno
 import os
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -166,3 +169,111 @@ def test_node_network_keeps_an_explicit_interface():
 def test_socket_env():
     assert net.socket_env("eth1") == {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1"}
     assert net.socket_env(None) == {}
+
+
+def test_torchrun_extra_args_name_the_store_host_and_the_published_address():
+    plan = net.NodeNetwork("eth0", "10.213.0.2", is_host=False)
+    assert net.torchrun_extra_args(plan) == ["--local-addr", "10.213.0.2",
+                                             "--rdzv-conf", "is_host=0"]
+    host = net.NodeNetwork("eth0", "10.213.0.1", is_host=True)
+    assert net.torchrun_extra_args(host, join_timeout=90) == [
+        "--local-addr", "10.213.0.1", "--rdzv-conf", "join_timeout=90,read_timeout=90,is_host=1"]
+
+
+class RendezvousTimeoutError(Exception):
+    """Stands in for torch's class of that name (only the name is looked at)."""
+
+
+class DistStoreError(Exception):
+    pass
+
+
+def test_rendezvous_failures_become_one_line():
+    err = net.rendezvous_failure(RendezvousTimeoutError(), "10.0.0.1:29400", 2, 60)
+    assert str(err).startswith("the rendezvous at 10.0.0.1:29400 did not gather 2 nodes within "
+                               "60 s: start every node within --rdzv-timeout")
+    store = DistStoreError("Timed out after 61 seconds waiting for clients. 1/2 clients joined.")
+    err = net.rendezvous_failure(store, "10.0.0.1:29500", 2, 60)
+    assert "1/2 clients joined" in str(err) and "--node-rank" in str(err)
+    assert net.rendezvous_failure(ValueError("x"), "10.0.0.1:29400", 2, 60) is None
+
+
+def test_watchdog_exits_once_every_worker_is_an_unreaped_zombie_for_the_grace():
+    exited = []
+    views = iter([{7: "S"}, {7: "Z"}, {7: "Z"}, {7: "Z"}] + [{7: "Z"}] * 100)
+    dog = net.AgentWatchdog("10.0.0.1:29400", grace=0.2, interval=0.05, exit=exited.append,
+                            list_children=lambda: next(views))
+    with dog:
+        deadline = time.monotonic() + 5
+        while not exited and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert exited == [1]
+
+
+def test_watchdog_leaves_a_healthy_agent_alone():
+    exited = []
+    dog = net.AgentWatchdog("10.0.0.1:29400", grace=0.1, interval=0.02, exit=exited.append,
+                            list_children=lambda: {7: "S", 8: "Z"})  # one still running
+    with dog:
+        time.sleep(0.3)
+    assert exited == []
+
+
+def test_children_lists_a_running_child():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        assert net.children().get(proc.pid) in ("R", "S")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class FakeStore:
+    """The slice of TCPStore that watch_nnodes uses, shared by the "nodes" of a test."""
+
+    def __init__(self):
+        self.data = {}
+
+    def compare_set(self, key, expected, desired):
+        if key not in self.data and expected == "":
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+    def set(self, key, value):
+        self.data[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_watch_nnodes_stops_both_nodes_when_they_disagree(capfd):
+    store, exits = FakeStore(), []
+    first = net.watch_nnodes("10.0.0.1:29400", 2, timeout=5, exit=exits.append,
+                             connect=lambda *a: store)
+    second = net.watch_nnodes("10.0.0.1:29400", 3, timeout=5, exit=exits.append,
+                              connect=lambda *a: store)
+    first.join(6)
+    second.join(6)
+    assert exits == [2, 2]
+    err = capfd.readouterr().err
+    assert ("error: this node was started with --nnodes 3 but another node of the rendezvous at "
+            "10.0.0.1:29400 with --nnodes 2: use the same --nnodes on every node") in err
+    assert "started with --nnodes 2 but another node" in err and "--nnodes 3:" in err
+
+
+def test_watch_nnodes_is_quiet_when_nodes_agree_or_the_store_is_unreachable():
+    store, exits = FakeStore(), []
+    threads = [net.watch_nnodes("h:1", 2, timeout=0.6, exit=exits.append,
+                                connect=lambda *a: store) for _ in range(2)]
+
+    def unreachable(*args):
+        raise RuntimeError("connection refused")
+
+    threads.append(net.watch_nnodes("h:1", 2, timeout=0.6, exit=exits.append,
+                                    connect=unreachable))
+    for t in threads:
+        t.join(3)
+    assert exits == []

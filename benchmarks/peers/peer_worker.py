@@ -134,14 +134,16 @@ PEERS: Dict[str, Callable[[argparse.Namespace], Callable[[], None]]] = {
     "fabric": fabric_loop}
 
 
-def _timed(step: Callable[[], None], warmup: int, steps: int) -> List[float]:
-    times = []
+def _timed(step: Callable[[], None], warmup: int, steps: int) -> Dict[str, List[float]]:
+    wall: List[float] = []
+    cpu: List[float] = []
     for i in range(warmup + steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()  # CPU: the work is done when optimizer.step returns
         if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+    return {"step_s": wall, "cpu_s": cpu}
 
 
 def main() -> None:
@@ -156,8 +158,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     step = PEERS[args.peer](args)
     torch.set_num_threads(args.threads)  # again: a framework may have changed it on set-up
-    times = _timed(step, args.warmup, args.steps)
-    mine = {"step_s": times, "threads": torch.get_num_threads(),
+    mine = {**_timed(step, args.warmup, args.steps), "threads": torch.get_num_threads(),
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     ranks: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)

@@ -4,7 +4,8 @@
 
 Every measurement is a fresh ``torchrun`` of peer_worker.py (same launcher for all peers); the
 peers alternate within each round (order rotated every round) so machine drift hits all of them.
-Reports global images/s per peer and its ratio to the hand-written loop, paired by round.
+Reports global images/s per peer and its ratio to the hand-written loop, paired by round, also
+per CPU second the ranks got (on a shared machine, other programs' load is then factored out).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ddpkit.bench_env import environment
-from ddpkit.bench_report import median, repeat_figures
+from ddpkit.bench_report import cpu_share, median, repeat_figures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ("handwritten", "ddpkit", "accelerate", "fabric")
@@ -58,8 +59,11 @@ def run_once(peer: str, args: argparse.Namespace) -> Dict[str, Any]:
         with open(result) as f:
             ranks = json.load(f)["ranks"]
     out = repeat_figures([r["step_s"] for r in ranks], args.nproc * args.batch)
-    out.update(step_s=[r["step_s"] for r in ranks], threads=[r["threads"] for r in ranks],
-               peak_mb=[r["peak_mb"] for r in ranks])
+    threads = [r["threads"] for r in ranks]
+    out.update(step_s=[r["step_s"] for r in ranks], threads=threads,
+               peak_mb=[r["peak_mb"] for r in ranks], cpu_s=[r["cpu_s"] for r in ranks],
+               cpu_share=cpu_share([r["step_s"] for r in ranks], [r["cpu_s"] for r in ranks],
+                                   threads), load_average=round(os.getloadavg()[0], 2))
     return out
 
 
@@ -72,7 +76,8 @@ def rounds(args: argparse.Namespace, peers: List[str]) -> Dict[str, List[Dict[st
             res = run_once(peer, args)
             res["round"] = rnd
             results[peer].append(res)
-            shown = res.get("error") or f"{res['images_s']:.1f} images/s"
+            shown = res.get("error") or (f"{res['images_s']:.1f} images/s, CPU share "
+                                         f"{res['cpu_share']:.2f}, load {res['load_average']}")
             print(f"[round {rnd + 1}/{args.rounds}] {peer}: {shown}", flush=True)
     return results
 
@@ -91,28 +96,52 @@ def summarize(results: Dict[str, List[Dict[str, Any]]], skipped: Dict[str, str])
         if ok:
             ips = [r["images_s"] for r in ok]
             ratios = [r["images_s"] / base[r["round"]] for r in ok if r["round"] in base]
+            # per CPU second: what each loop does with the cores it got (others' load removed)
+            norm_base = {r["round"]: r["images_s"] / r["cpu_share"]
+                         for r in results.get("handwritten", []) if r.get("cpu_share")}
+            per_cpu = [r["images_s"] / r["cpu_share"] / norm_base[r["round"]] for r in ok
+                       if r["round"] in norm_base and r.get("cpu_share")]
             row.update(images_s=median(ips), images_s_range=[min(ips), max(ips)],
                        ratio=median(ratios) if ratios else None,
                        ratio_range=[min(ratios), max(ratios)] if ratios else None,
-                       rounds=len(ok))
+                       rounds=len(ok), cpu_share=median([r.get("cpu_share", 0.0) for r in ok]),
+                       ratio_per_cpu=median(per_cpu) if per_cpu else None,
+                       ratio_per_cpu_range=[min(per_cpu), max(per_cpu)] if per_cpu else None)
         rows.append(row)
     return rows
 
 
+def _ratio(value: Optional[float], span: Optional[List[float]]) -> str:
+    if value is None or span is None:
+        return "-"
+    return f"{value:.3f} ({span[0]:.3f}-{span[1]:.3f})"
+
+
 def table(rows: List[Dict[str, Any]]) -> str:
-    """Markdown: peer | images/s (min-max) | x hand-written (min-max) | status."""
-    lines = ["| peer | images/s (min-max) | x hand-written, paired by round (min-max) | status |",
-             "|---|---|---|---|"]
+    """Markdown: images/s, ratio to hand-written raw and per CPU second, CPU share, status."""
+    lines = ["| peer | images/s (min-max) | x hand-written, paired by round (min-max) | "
+             "CPU share | x hand-written per CPU second (min-max) | status |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         if "images_s" not in r:
-            lines.append(f"| {r['peer']} | - | - | {r['status']} |")
+            lines.append(f"| {r['peer']} | - | - | - | - | {r['status']} |")
             continue
         lo, hi = r["images_s_range"]
-        ratio = "-" if r["ratio"] is None else (
-            f"{r['ratio']:.3f} ({r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f})")
-        lines.append(f"| {r['peer']} | {r['images_s']:.1f} ({lo:.1f}-{hi:.1f}) | {ratio} | "
+        lines.append(f"| {r['peer']} | {r['images_s']:.1f} ({lo:.1f}-{hi:.1f}) | "
+                     f"{_ratio(r['ratio'], r['ratio_range'])} | {r['cpu_share']:.2f} | "
+                     f"{_ratio(r['ratio_per_cpu'], r['ratio_per_cpu_range'])} | "
                      f"{r['status']} ({r['rounds']} rounds) |")
     return "\n".join(lines) + "\n"
+
+
+def reprint(path: str) -> str:
+    """The table of a saved peers.json, recomputed from its raw figures."""
+    with open(path) as f:
+        saved = json.load(f)
+    skipped = {r["peer"]: r["status"][len("skipped: "):] for r in saved["summary"]
+               if r["status"].startswith("skipped")}
+    return table([r for r in summarize(saved["raw"], skipped)
+                  if r["peer"] in saved["raw"] or r["peer"] in skipped])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -123,7 +152,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--model", default="resnet18")
     p.add_argument("--output", default="peers-out")
+    p.add_argument("--report", metavar="PEERS_JSON", help="re-print the table of a saved run")
     args = p.parse_args(argv)
+    if args.report:
+        print(reprint(args.report), end="")
+        return 0
     wanted = [x.strip() for x in args.peers.split(",") if x.strip()]
     unknown = sorted(set(wanted) - set(PEERS))
     if unknown:

@@ -32,7 +32,7 @@ def measure(plan: Dict[str, Any], cfg: BenchConfig) -> Dict[str, Any]:
 
         measure(plan_row(ROWS["ddp"], cfg, caps), cfg)["images_s"]
     """
-    from .bench_report import repeat_figures
+    from .bench_report import cpu_share, repeat_figures
 
     start = time.perf_counter()
     try:
@@ -43,11 +43,18 @@ def measure(plan: Dict[str, Any], cfg: BenchConfig) -> Dict[str, Any]:
         return {"error": _one_line(exc)}
     ranks = result["ranks"]
     out = repeat_figures([r["step_s"] for r in ranks], plan["global_batch"])
+    threads = [r["threads"] for r in ranks]
+    out.update(cpu_share=cpu_share([r["step_s"] for r in ranks], [r["cpu_s"] for r in ranks],
+                                   threads), cpu_s=[r["cpu_s"] for r in ranks])
     out.update(step_s=[r["step_s"] for r in ranks], peak_mb=[r["peak_mb"] for r in ranks],
                opt_state_mb=[r["opt_state_mb"] for r in ranks],
-               threads=[r["threads"] for r in ranks], top1=ranks[0].get("top1"),
+               threads=threads, top1=ranks[0].get("top1"), load_average=_loadavg(),
                steps_total=ranks[0]["steps_total"], wall_s=time.perf_counter() - start)
     return out
+
+
+def _loadavg() -> float:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0
 
 
 def _launch(plan: Dict[str, Any], cfg: BenchConfig) -> Dict[str, Any]:
@@ -76,7 +83,8 @@ def _progress(rnd: int, cfg: BenchConfig, rec: Dict[str, Any], res: Dict[str, An
     else:
         top1 = f", top-1 {res['top1']:.2f}%" if res.get("top1") is not None else ""
         print(f"{tag}: {res['images_s']:.1f} images/s, step {res['step_ms_median']:.0f} ms "
-              f"median / {res['step_ms_p95']:.0f} ms p95{top1}", flush=True)
+              f"median / {res['step_ms_p95']:.0f} ms p95, CPU share {res['cpu_share']:.2f}, "
+              f"load {res['load_average']}{top1}", flush=True)
 
 
 def run_rounds(cfg: BenchConfig, records: List[Dict[str, Any]]) -> int:

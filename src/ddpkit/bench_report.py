@@ -9,8 +9,8 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["median", "percentile", "efficiency", "repeat_figures", "summarize", "render_table",
-           "write_outputs"]
+__all__ = ["median", "percentile", "efficiency", "repeat_figures", "cpu_share", "summarize",
+           "render_table", "write_outputs"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -66,6 +66,19 @@ def repeat_figures(step_s_per_rank: List[List[float]], global_batch: int) -> Dic
             "images_s": global_batch / med}
 
 
+def cpu_share(wall_s: List[List[float]], cpu_s: List[List[float]], threads: List[int]) -> float:
+    """CPU seconds the ranks got per wall second and thread, averaged over ranks (1.0 = all).
+
+    Below 1 the rank waited: for a peer in a collective, or for cores other programs held.
+
+    Example::
+
+        cpu_share([[2.0, 2.0]], [[1.0, 1.0]], [1])   # 0.5
+    """
+    shares = [sum(c) / (sum(w) * t) for w, c, t in zip(wall_s, cpu_s, threads) if sum(w) > 0]
+    return sum(shares) / len(shares) if shares else 0.0
+
+
 def _range(values: Sequence[float]) -> Optional[List[float]]:
     return [min(values), max(values)] if values else None
 
@@ -101,7 +114,8 @@ def summarize(row: Dict[str, Any], baseline: Optional[Dict[str, Any]],
                step_ms_p95=median([r["step_ms_p95"] for r in reps]),
                efficiency=median(eff) if eff else None, efficiency_range=_range(eff),
                peak_mb=max(max(r["peak_mb"]) for r in reps),
-               opt_state_mb=max(max(r["opt_state_mb"]) for r in reps), rounds=len(reps))
+               opt_state_mb=max(max(r["opt_state_mb"]) for r in reps), rounds=len(reps),
+               cpu_share=median([r["cpu_share"] for r in reps if "cpu_share" in r] or [0.0]))
     tops = [r["top1"] for r in reps if r.get("top1") is not None]
     out["top1"] = median(tops) if tops else None
     return out
@@ -124,13 +138,15 @@ def _status(s: Dict[str, Any]) -> str:
 
 def _cells(s: Dict[str, Any], accuracy: bool) -> List[str]:
     if "images_s" not in s:
-        figures = ["-"] * (6 + accuracy)
+        figures = ["-"] * (7 + accuracy)
     else:
         figures = [f"{s['images_s']:.1f}{_span(s['images_s_range'], '.1f')}",
-                   f"{s['s_per_epoch']:.0f}",
+                   f"{s['s_per_epoch']:.0f}" if s["s_per_epoch"] >= 10 else
+                   f"{s['s_per_epoch']:.2f}",
                    f"{s['step_ms_median']:.0f} / {s['step_ms_p95']:.0f}",
                    _fmt(s["efficiency"], ".2f") + _span(s["efficiency_range"], ".2f"),
-                   f"{s['peak_mb']:.0f}", f"{s['opt_state_mb']:.1f}"]
+                   f"{s['peak_mb']:.0f}", f"{s['opt_state_mb']:.1f}",
+                   f"{s.get('cpu_share', 0.0):.2f}"]
         figures += [_fmt(s.get("top1"), ".2f")] if accuracy else []
     return [f"`{s['row']}`", *figures, _status(s).replace("|", "/")]
 
@@ -143,7 +159,7 @@ def render_table(summaries: List[Dict[str, Any]], accuracy: bool = False) -> str
         print(render_table([summarize(r, base, 50_000) for r in records]))
     """
     head = ["row", "images/s (min-max)", "s/epoch", "step ms median / p95",
-            "efficiency (min-max)", "peak MB/rank", "optim state MB/rank"]
+            "efficiency (min-max)", "peak MB/rank", "optim state MB/rank", "CPU share"]
     head += ["top-1 %"] if accuracy else []
     head.append("status")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -166,8 +182,9 @@ Images/s is global (processes x per-rank batch / median step time); its median i
 the range in brackets is the min-max over rounds. Rows are interleaved within each round, each in
 fresh processes. Efficiency = images/s / (processes x threads x `single-1t` images/s), computed per
 round against the same round's `single-1t` and reported as the median (min-max). Peak MB is the
-largest ru_maxrss (CPU) or max_memory_allocated (CUDA) of any rank. Raw step times and the full
-environment are in results.json.
+largest ru_maxrss (CPU) or max_memory_allocated (CUDA) of any rank. CPU share = CPU seconds per
+wall second and thread of the ranks during the timed steps: below 1 a rank waited, for a peer or
+for cores that other programs held. Raw step times and the full environment are in results.json.
 """
 
 
@@ -180,7 +197,8 @@ def write_outputs(out_dir: str, summaries: List[Dict[str, Any]], records: List[D
         write_outputs("bench-out", summaries, records, env)
     """
     os.makedirs(out_dir, exist_ok=True)
-    notes = [] if _chart(os.path.join(out_dir, "chart.png"), summaries) else [
+    title = f"ddpkit bench: {env['model']}, batch {env['batch_per_rank']}/rank, {env['cpu_model']}"
+    notes = [] if _chart(os.path.join(out_dir, "chart.png"), summaries, title) else [
         "chart.png skipped: matplotlib is not installed (pip install 'ddpkit[plot]')"]
     accuracy = bool(env.get("accuracy"))
     md = [f"# ddpkit bench{' (accuracy mode)' if accuracy else ''}\n", _setup_line(env), "",
@@ -194,7 +212,7 @@ def write_outputs(out_dir: str, summaries: List[Dict[str, Any]], records: List[D
     return notes
 
 
-def _chart(path: str, summaries: List[Dict[str, Any]]) -> bool:
+def _chart(path: str, summaries: List[Dict[str, Any]], title: str) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")  # no display on servers and CI
@@ -210,7 +228,7 @@ def _chart(path: str, summaries: List[Dict[str, Any]]) -> bool:
     ax.barh(names, values, xerr=errs, color="#4c72b0", capsize=3)
     ax.invert_yaxis()
     ax.set_xlabel("global images/s (median, min-max over rounds)")
-    ax.set_title("ddpkit bench")
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

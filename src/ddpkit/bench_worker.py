@@ -99,17 +99,21 @@ def _step_fn(job: Dict[str, Any], rt: Runtime, model: nn.Module, opt: torch.opti
 
 
 def _time_steps(step: Callable[[Iterator[Batch]], torch.Tensor], batches: Iterator[Batch],
-                total: int, warmup: int, device: torch.device) -> List[float]:
-    """Seconds per optimizer step after ``warmup`` untimed steps; data fetching included."""
+                total: int, warmup: int, device: torch.device) -> Tuple[List[float], List[float]]:
+    """Wall and CPU seconds per optimizer step after ``warmup`` untimed steps (data included).
+
+    CPU time over wall time shows how much of its cores the rank really got on a shared machine.
+    """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
+    wall, cpu = [], []
     for i in range(total):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step(batches)
         sync()  # on CPU the work is done when optimizer.step returns
         if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+    return wall, cpu
 
 
 def _peak_mb(device: torch.device) -> float:
@@ -142,9 +146,9 @@ def run_row(job: Dict[str, Any]) -> Dict[str, Any]:
     if job["accuracy"]:  # a fixed budget of epochs; the first warm-up steps are not timed
         total = job["epochs"] * max(1, len(loader) // (job["accum_k"] if job["accum"] else 1))
     model.train()
-    times = _time_steps(_step_fn(job, rt, model, opt, prec), _batches(loader), total,
-                        min(job["warmup"], total - 1), rt.device)
-    mine = {"rank": rt.rank, "step_s": times, "peak_mb": _peak_mb(rt.device),
+    times, cpu = _time_steps(_step_fn(job, rt, model, opt, prec), _batches(loader), total,
+                             min(job["warmup"], total - 1), rt.device)
+    mine = {"rank": rt.rank, "step_s": times, "cpu_s": cpu, "peak_mb": _peak_mb(rt.device),
             "opt_state_mb": optimizer_state_bytes(opt) / 2**20,
             "threads": torch.get_num_threads(), "device": str(rt.device), "steps_total": total}
     if test_set is not None:

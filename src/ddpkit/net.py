@@ -12,15 +12,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 
 __all__ = ["Route", "NodeNetwork", "split_endpoint", "resolve", "parse_route_get",
            "parse_addresses", "parse_proc_route", "route_to", "interface_for", "is_local",
-           "check_reachable", "node_network", "socket_env", "rdzv_conf", "torchrun_extra_args",
-           "rendezvous_failure",
-           "children", "AgentWatchdog"]
+           "check_reachable", "node_network", "socket_env", "torchrun_extra_args",
+           "rendezvous_failure", "children", "AgentWatchdog", "watch_nnodes"]
 
 #: Runs ``ip ARGS`` and returns its stdout, or None when ``ip`` is missing or fails.
 IpRunner = Callable[[Sequence[str]], Optional[str]]
@@ -311,24 +311,6 @@ def socket_env(iface: Optional[str]) -> Dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface} if iface else {}
 
 
-def rdzv_conf(join_timeout: Optional[float] = None, read_timeout: Optional[float] = None,
-              is_host: Optional[bool] = None) -> str:
-    """The value of torchrun's ``--rdzv-conf`` for these settings ('' when all are None).
-
-    Example::
-
-        rdzv_conf(join_timeout=120, is_host=True)   # 'join_timeout=120,is_host=1'
-    """
-    parts = []
-    if join_timeout is not None:
-        parts.append(f"join_timeout={int(join_timeout)}")
-    if read_timeout is not None:
-        parts.append(f"read_timeout={int(read_timeout)}")
-    if is_host is not None:
-        parts.append(f"is_host={int(is_host)}")
-    return ",".join(parts)
-
-
 def torchrun_extra_args(plan: NodeNetwork, join_timeout: Optional[float] = None) -> List[str]:
     """torchrun flags for a c10d multi-node run: who serves the store, which address to publish.
 
@@ -343,8 +325,9 @@ def torchrun_extra_args(plan: NodeNetwork, join_timeout: Optional[float] = None)
         # ['--local-addr', '10.0.0.2', '--rdzv-conf', 'join_timeout=60,read_timeout=60,is_host=0']
     """
     args = ["--local-addr", plan.local_addr] if plan.local_addr else []
-    conf = rdzv_conf(join_timeout=join_timeout, read_timeout=join_timeout, is_host=plan.is_host)
-    return args + ["--rdzv-conf", conf]
+    conf = [f"join_timeout={int(join_timeout)}", f"read_timeout={int(join_timeout)}"] \
+        if join_timeout else []
+    return args + ["--rdzv-conf", ",".join(conf + [f"is_host={int(plan.is_host)}"])]
 
 
 def rendezvous_failure(exc: BaseException, endpoint: str, nnodes: int,
@@ -365,6 +348,12 @@ def rendezvous_failure(exc: BaseException, endpoint: str, nnodes: int,
     if kind == "RendezvousConnectionError":
         return ConfigError(f"lost the rendezvous store at {endpoint} (waited {waited}): its node "
                            "is gone or unreachable, or gave up waiting for this node")
+    if kind == "DistStoreError" and "waiting for clients" in str(exc):
+        # static rendezvous (--master-addr): "Timed out after N seconds waiting for clients. 1/2
+        # clients joined." -- a node is missing, or two nodes claimed the same --node-rank
+        return ConfigError(f"the rendezvous at {endpoint} did not gather {nnodes} nodes within "
+                           f"{waited} ({str(exc).strip().splitlines()[0]}): start every node "
+                           "with its own --node-rank from 0 to --nnodes - 1")
     if kind == "RendezvousClosedError":
         return ConfigError(f"the rendezvous at {endpoint} is closed: the job already ended on "
                            "the other nodes")
@@ -454,3 +443,52 @@ class AgentWatchdog:
                          "(network partition, or the store's node is gone); exiting\n")
         sys.stderr.flush()
         self._exit(code if code > 0 else 1)
+
+
+def _tcp_store(endpoint: str, timeout: float) -> Any:
+    from torch.distributed import TCPStore
+
+    host, port = split_endpoint(endpoint)
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def watch_nnodes(endpoint: str, nnodes: int, run_id: str = "ddpkit", timeout: float = 600.0,
+                 exit: Callable[[int], Any] = os._exit,
+                 connect: Callable[[str, float], Any] = _tcp_store) -> threading.Thread:
+    """Start a thread that stops this node with one line if a node of the same rendezvous was
+    started with another ``--nnodes`` (torchrun would wait out its join timeout instead).
+
+    The first node records its ``nnodes`` in the rendezvous store; a node that disagrees says
+    so there too, so both sides exit. Best effort: store errors are left to torchrun.
+
+    Example::
+
+        watch_nnodes("10.213.0.1:29400", nnodes=2)
+    """
+    key, conflict = f"ddpkit/{run_id}/nnodes", f"ddpkit/{run_id}/nnodes-conflict"
+
+    def fail(other: str) -> None:
+        sys.stderr.write(f"error: this node was started with --nnodes {nnodes} but another node "
+                         f"of the rendezvous at {endpoint} with --nnodes {other}: use the same "
+                         "--nnodes on every node\n")
+        sys.stderr.flush()
+        exit(2)
+
+    def watch() -> None:
+        try:
+            store = connect(endpoint, timeout)
+            seen = store.compare_set(key, "", str(nnodes)).decode()
+            if seen != str(nnodes):
+                store.set(conflict, str(nnodes))
+                return fail(seen)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not children():  # until workers start
+                if store.check([conflict]):
+                    return fail(store.get(conflict).decode())
+                time.sleep(0.5)
+        except Exception:  # noqa: BLE001 - torchrun reports store trouble in its own words
+            return
+
+    thread = threading.Thread(target=watch, name="ddpkit-nnodes-check", daemon=True)
+    thread.start()
+    return thread
