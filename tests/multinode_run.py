@@ -18,7 +18,9 @@ from ddpkit.errors import ConfigError
 
 
 def _static_checks(cfg: launchers.RunConfig) -> None:
-    """--master-addr runs: node rank 0 must be the master's machine; others must reach it."""
+    """--master-addr runs: node rank 0 must be the master's machine; others must reach it.
+
+    (Another rank on the master's machine is allowed: several launchers on one host.)"""
     host = cfg.master_addr or "127.0.0.1"
     if ipaddress.ip_address(net.resolve(host)).is_loopback:
         return  # every "node" on this one machine
@@ -26,9 +28,6 @@ def _static_checks(cfg: launchers.RunConfig) -> None:
     if cfg.node_rank == 0 and not hosting:
         raise ConfigError(f"--node-rank 0 must run on the --master-addr host {host}, which is "
                           "not an address of this node: give this node another --node-rank")
-    if cfg.node_rank != 0 and hosting:
-        raise ConfigError(f"this node is the --master-addr host {host}, so it must be "
-                          f"--node-rank 0, not {cfg.node_rank}")
     if not hosting:
         net.check_reachable(host, cfg.master_port or 29500)
 
@@ -52,7 +51,8 @@ def wired_run(cfg: launchers.RunConfig, original=launchers.run,
     # A fresh store per rendezvous round (hosted by worker rank 0): no stale keys after restarts.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     extra = net.torchrun_extra_args(plan, join_timeout=rdzv_timeout)
-    net.watch_nnodes(cfg.rdzv_endpoint, cfg.nnodes, cfg.rdzv_id or "ddpkit", rdzv_timeout or 600)
+    net.watch_nnodes(cfg.rdzv_endpoint, cfg.nnodes, cfg.rdzv_id or "ddpkit", rdzv_timeout or 600,
+                     is_host=plan.is_host)
     with net.AgentWatchdog(cfg.rdzv_endpoint):
         try:
             return _with_args(cfg, original, extra)

@@ -184,6 +184,7 @@ class Cluster:
     def __enter__(self) -> "Cluster":
         ok, why = available()
         if not ok:
+            self.close()  # the temporary workdir
             raise RuntimeError(why)
         sweep_stale()
         atexit.register(self.close)  # even if the with-block's process is torn down oddly

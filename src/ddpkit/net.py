@@ -453,13 +453,15 @@ def _tcp_store(endpoint: str, timeout: float) -> Any:
 
 
 def watch_nnodes(endpoint: str, nnodes: int, run_id: str = "ddpkit", timeout: float = 600.0,
-                 exit: Callable[[int], Any] = os._exit,
+                 is_host: bool = False, exit: Callable[[int], Any] = os._exit,
                  connect: Callable[[str, float], Any] = _tcp_store) -> threading.Thread:
     """Start a thread that stops this node with one line if a node of the same rendezvous was
     started with another ``--nnodes`` (torchrun would wait out its join timeout instead).
 
     The first node records its ``nnodes`` in the rendezvous store; a node that disagrees says
-    so there too, so both sides exit. Best effort: store errors are left to torchrun.
+    so there too, so both sides exit. ``is_host``: this node serves the store, so it lingers
+    a moment before exiting to let the others read why. Best effort: store errors are left
+    to torchrun.
 
     Example::
 
@@ -467,11 +469,12 @@ def watch_nnodes(endpoint: str, nnodes: int, run_id: str = "ddpkit", timeout: fl
     """
     key, conflict = f"ddpkit/{run_id}/nnodes", f"ddpkit/{run_id}/nnodes-conflict"
 
-    def fail(other: str) -> None:
+    def fail(other: str, linger: float) -> None:
         sys.stderr.write(f"error: this node was started with --nnodes {nnodes} but another node "
                          f"of the rendezvous at {endpoint} with --nnodes {other}: use the same "
                          "--nnodes on every node\n")
         sys.stderr.flush()
+        time.sleep(linger)
         exit(2)
 
     def watch() -> None:
@@ -480,11 +483,11 @@ def watch_nnodes(endpoint: str, nnodes: int, run_id: str = "ddpkit", timeout: fl
             seen = store.compare_set(key, "", str(nnodes)).decode()
             if seen != str(nnodes):
                 store.set(conflict, str(nnodes))
-                return fail(seen)
+                return fail(seen, 1.5 if is_host else 0.0)  # the others poll every 0.5 s
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and not children():  # until workers start
                 if store.check([conflict]):
-                    return fail(store.get(conflict).decode())
+                    return fail(store.get(conflict).decode(), 0.0)
                 time.sleep(0.5)
         except Exception:  # noqa: BLE001 - torchrun reports store trouble in its own words
             return
