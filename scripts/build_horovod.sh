@@ -18,7 +18,7 @@ PYTAG=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 WHEELS="$CACHE/horovod-$VERSION-torch$TORCH-$PYTAG"
 
 check() {
-    "$PY" -c 'import horovod.torch as hvd; print("horovod", hvd.__version__, "imports")'
+    "$PY" -c 'import horovod, horovod.torch; print("horovod", horovod.__version__, "imports")'
     # horovodrun --check-build, through this interpreter (PATH may hold another horovodrun)
     "$PY" -c 'import sys; from horovod.runner.launch import run_commandline
 sys.argv = ["horovodrun", "--check-build"]; run_commandline()'

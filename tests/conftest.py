@@ -29,7 +29,9 @@ MULTINODE_FILES = ("test_multinode.py", "test_net.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Multi-node (network namespace) tests carry the `multinode` marker: `make test-multinode`."""
+    """Multi-node tests (network namespaces; they skip with the reason when not root or without
+    `ip netns`) carry the `multinode` marker: part of `make test`; `make test-multinode` runs
+    only them."""
     for item in items:
         if item.path.name in MULTINODE_FILES:
             item.add_marker(pytest.mark.multinode)

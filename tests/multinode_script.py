@@ -12,7 +12,6 @@ import argparse
 import os
 import time
 from datetime import timedelta
-from typing import Optional
 
 import torch
 from torch import nn
@@ -41,20 +40,11 @@ class Slow(Hook):
         time.sleep(self.seconds)
 
 
-def _per_round_store() -> Optional[str]:
-    """With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every rendezvous round gets a fresh store on
-    MASTER_ADDR:MASTER_PORT; tcp:// uses it as it is. env:// in ddpkit.dist (today) would add an
-    attempt prefix from the per-node restart count, which differs between nodes after a
-    membership-change restart (proposed dist.py change: skip the prefix in this case)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "False":
-        return None
-    return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-
-
 def train(out: str, timeout_s: float, step_sleep: float, epochs: int = 3) -> None:
     """Train like resume_script.train(out, epochs, resume="auto"); rank 0 saves OUT/final.pt."""
-    rt = ddpkit.setup(seed=0, deterministic=True, timeout=timedelta(seconds=timeout_s),
-                      init_method=_per_round_store())
+    # env:// as every script: after a restart `ddpkit run` gives each rendezvous round a fresh
+    # store (restart counts can differ between nodes), and ddpkit.dist then adds no prefix.
+    rt = ddpkit.setup(seed=0, deterministic=True, timeout=timedelta(seconds=timeout_s))
     torch.manual_seed(0)
     model = rt.wrap(nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -321,14 +321,30 @@ class Cluster:
         while any(self.procs[i].poll() is None for i in chosen):
             if time.monotonic() > deadline:
                 running = [i for i in chosen if self.procs[i].poll() is None]
+                alive = self.ps()  # before the kill: which process of which node was stuck
                 self.kill_all()
                 raise TimeoutError(f"nodes {running} still running after {timeout:.0f} s "
-                                   f"(all killed)\n{self.tails()}")
+                                   f"(all killed)\n{alive}\n{self.tails()}")
             time.sleep(0.1)
         for i in chosen:
             for pump in self._pumps.get(i, []):
                 pump.join(timeout=2)  # the last lines, unless an orphan still holds the pipe
         return [self.procs[i].returncode for i in chosen]
+
+    def ps(self) -> str:
+        """Every process in every node: pid, state letter and command line (for diagnostics)."""
+        rows = []
+        for i in range(self.nodes):
+            for pid in _ns_pids(self.ns(i)):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                rows.append(f"node {i} pid {pid} {state} {cmd[:160]}")
+        return "--- processes:\n" + "\n".join(rows)
 
     def tails(self, lines: int = 15) -> str:
         """The last lines of every node's output, for assertion messages."""

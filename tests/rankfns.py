@@ -152,3 +152,14 @@ def one_rank_skips_the_barrier(timeout_s: float):
         return None
     rt.barrier()
     return "barrier passed"
+
+
+def hook_one_step(hook: str):
+    """Averaged gradients after one DDP step with ``comm_hook=hook`` on gloo."""
+    rt = ddpkit.setup()
+    model = rt.wrap(tiny_model(), comm_hook=hook)
+    x, y = full_batch()
+    per = x.shape[0] // rt.world_size
+    sl = slice(rt.rank * per, (rt.rank + 1) * per)
+    nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+    return [p.grad.clone() for p in rt.unwrap(model).parameters()]

@@ -251,3 +251,24 @@ def test_shutdown_without_group_is_safe_twice():
     shutdown()
     shutdown()
     assert not tdist.is_initialized()
+
+
+@pytest.mark.parametrize("shared, restarts, prefixed", [(True, 1, True), (False, 1, False),
+                                                       (True, 0, False)])
+def test_attempt_prefix_only_when_the_agent_store_is_shared(monkeypatch, shared, restarts,
+                                                           prefixed):
+    """After a restart a shared agent store holds stale addresses: namespace it by attempt. A
+    store per round (multi-node ``ddpkit run``) is fresh, and restart counts differ by node."""
+    import ddpkit.dist as ddist
+
+    calls = []
+    monkeypatch.setattr(ddist, "rendezvous", lambda url, timeout: iter([(tdist.HashStore(), 0, 2)]))
+    monkeypatch.setattr(ddist.tdist, "init_process_group", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(ddist.atexit, "register", lambda fn: None)
+    env = ClusterEnv(rank=0, world_size=2, local_rank=0, local_world_size=1, launcher="torchrun",
+                     master_addr="127.0.0.1", master_port=29500, restart_count=restarts,
+                     shared_store=shared)
+    assert init_process_group(env, CPU, backend="gloo") == "gloo"
+    (kwargs,) = calls
+    assert isinstance(kwargs.get("store"), tdist.PrefixStore) is prefixed
+    assert ("init_method" in kwargs) is not prefixed

@@ -25,6 +25,13 @@ def test_torchrun():
     assert (env.node_rank, env.master_addr, env.master_port) == (1, "10.0.0.1", 29500)
     assert (env.restart_count, env.job_id, env.launcher) == (2, "job7", "torchrun")
     assert env.num_nodes == 2
+    assert not env.shared_store
+
+
+@pytest.mark.parametrize("value, shared", [("True", True), ("False", False), (None, False)])
+def test_torchrun_agent_store_sharing(value, shared):
+    environ = dict(TORCHRUN) if value is None else dict(TORCHRUN, TORCHELASTIC_USE_AGENT_STORE=value)
+    assert detect(environ).shared_store is shared
 
 
 @pytest.mark.parametrize("argv", [["--local_rank=1"], ["--local-rank", "1"], ["--local_rank", "1"]])

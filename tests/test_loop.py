@@ -108,6 +108,25 @@ def test_nonfinite_loss_stops_naming_the_step():
             epochs=1, progress=False)
 
 
+def test_on_gpus_the_loss_is_read_only_on_logging_steps(tmp_path, monkeypatch):
+    # Reading a CUDA loss syncs the device; the loop checks it only when it is logged.
+    from ddpkit import loop
+    monkeypatch.setattr(loop._Fit, "_check_every_micro_step", property(lambda self: False))
+    reads = []
+    real = loop._Fit._check_finite
+    monkeypatch.setattr(loop._Fit, "_check_finite",
+                        lambda self, loss: reads.append(self.state.step) or real(self, loss))
+    rt, net = runtime(), model()
+    fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), rt.loader(data(), 10, shuffle=False),
+        epochs=2, progress=False, logger=RunLogger(str(tmp_path)), log_every=3)
+    assert reads == [2, 5], "read on steps 3 and 6 of 8 only"
+    bad = data()
+    bad.tensors[0][15] = float("inf")   # batch 2 -> NaN weights -> seen on logging step 3
+    with pytest.raises(ddpkit.DDPKitError, match=r"loss is (nan|inf) by step 3 \(epoch 1\)"):
+        fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), rt.loader(bad, 10, shuffle=False),
+            epochs=2, progress=False, logger=RunLogger(str(tmp_path / "b")), log_every=3)
+
+
 def test_bf16_channels_last_training_and_eval_run():
     rt = runtime()
     torch.manual_seed(0)

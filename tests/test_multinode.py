@@ -6,6 +6,7 @@ one fixture, each in its own cluster, so the file stays within about three minut
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -13,6 +14,8 @@ import time
 
 import pytest
 import torch
+
+from ddpkit import net
 
 import resume_script
 from netns import Cluster, available
@@ -24,8 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=WHY)]
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PY = sys.executable
-RUN = [PY, "-m", "ddpkit", "run"]                      # ddpkit run as it is
-WIRED = [PY, os.path.join(HERE, "multinode_run.py")]  # ... plus the proposed ddpkit.net wiring
+RUN = [PY, "-m", "ddpkit", "run"]
 RESUME = os.path.join(HERE, "resume_script.py")
 SLOW_JOB = os.path.join(HERE, "multinode_script.py")
 PORT = 29400
@@ -157,7 +159,7 @@ def test_link_down_then_up_restarts_from_the_latest_checkpoint(tmp_path, referen
     job = [SLOW_JOB, "--out", shared, "--timeout-s", str(TIMEOUT_S), "--step-sleep", "0.3"]
     with Cluster(2, workdir=tmp_path / "nodes", hostnames=False) as c:
         for i in range(2):
-            c.start(i, WIRED + node_args(c, extra=["--max-restarts", "1"]) + job, cwd=ROOT)
+            c.start(i, RUN + node_args(c, extra=["--max-restarts", "1"]) + job, cwd=ROOT)
         wait_for(lambda: ledger_lines(shared) >= 8, 150, "8 training steps")
         cut = time.monotonic()
         c.link_down(1)
@@ -166,7 +168,7 @@ def test_link_down_then_up_restarts_from_the_latest_checkpoint(tmp_path, referen
         for i in (0, 1):
             assert c.first(i, f"Timed out waiting {TIMEOUT_S}000ms") - cut < TIMEOUT_S + 20
         c.link_up(1)
-        assert c.wait(timeout=180) == [0, 0], c.tails()
+        assert c.wait(timeout=150) == [0, 0], c.tails()
         assert "resumed from" in c.output(0)
     final = torch.load(os.path.join(shared, "final.pt"), weights_only=True)
     expected = reference()
@@ -184,7 +186,7 @@ def _partition(tmp):
     job = [SLOW_JOB, "--out", out, "--timeout-s", str(TIMEOUT_S), "--step-sleep", "0.3"]
     with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
         for i in range(2):
-            c.start(i, WIRED + node_args(c) + job, cwd=ROOT)
+            c.start(i, RUN + node_args(c) + job, cwd=ROOT)
         wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
         cut = time.monotonic()
         c.link_down(1)
@@ -205,11 +207,42 @@ def _kill(tmp):
         return _finish(c, 90, cut=cut, nodes=[0])
 
 
+def _kill_launcher(tmp):
+    """Only node 1's launcher dies (kill -9): its worker follows at once (parent-death signal),
+    so node 0 fails quickly instead of after torchrun's 300 s exit barrier."""
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+    job = [SLOW_JOB, "--out", out, "--timeout-s", "60", "--step-sleep", "0.3"]
+    with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
+        for i in range(2):
+            c.start(i, RUN + node_args(c) + job, cwd=ROOT)
+        wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
+        launcher = c.procs[1].pid
+        with open(f"/proc/{launcher}/cmdline", "rb") as f:
+            assert b"ddpkit" in f.read(), "the node's process is not the launcher itself"
+        workers = list(net.children(launcher))
+        assert workers, "node 1's launcher has no worker"
+        cut = time.monotonic()
+        os.kill(launcher, signal.SIGKILL)
+        wait_for(lambda: all(not _running(pid) for pid in workers), 15, "node 1's worker exiting")
+        gone = time.monotonic() - cut
+        return dict(_finish(c, 90, cut=cut, nodes=[0]), worker_gone_after=gone)
+
+
+def _running(pid):
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
 def _unreachable(tmp):
     """The rendezvous endpoint is an address in the subnet where no node lives."""
     with Cluster(1, workdir=os.path.join(tmp, "nodes")) as c:
         start = time.monotonic()
-        c.start(0, WIRED + ["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
+        c.start(0, RUN + ["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
                             f"10.213.0.99:{PORT}", RESUME, "--out", tmp])
         return _finish(c, 120, cut=start)
 
@@ -219,7 +252,7 @@ def _same_node_rank(tmp):
     with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
         start = time.monotonic()
         for i in range(2):
-            c.start(i, WIRED + ["--nnodes", "2", "--nproc", "1", "--node-rank", "0",
+            c.start(i, RUN + ["--nnodes", "2", "--nproc", "1", "--node-rank", "0",
                                 "--master-addr", c.ip(0), "--master-port", "29500",
                                 "--rdzv-timeout", "20", RESUME, "--out", tmp], cwd=ROOT)
         return _finish(c, 120, cut=start)
@@ -229,7 +262,7 @@ def _mismatched_nnodes(tmp):
     with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
         start = time.monotonic()
         for i, nnodes in enumerate((2, 3)):
-            c.start(i, WIRED + node_args(c, nnodes, ["--rdzv-timeout", "90"])
+            c.start(i, RUN + node_args(c, nnodes, ["--rdzv-timeout", "90"])
                     + [RESUME, "--out", tmp], cwd=ROOT)
         return _finish(c, 120, cut=start)
 
@@ -242,7 +275,7 @@ def _late(delay, rdzv_timeout):
             start = time.monotonic()
             for i in range(2):
                 os.makedirs(outs[i])
-                c.start(i, WIRED + node_args(c, extra=["--rdzv-timeout", str(rdzv_timeout)])
+                c.start(i, RUN + node_args(c, extra=["--rdzv-timeout", str(rdzv_timeout)])
                         + [RESUME, "--out", outs[i]], cwd=ROOT)
                 if i == 0 and delay is None:
                     wait_for(lambda: c.procs[0].poll() is not None, 120, "node 0 giving up")
@@ -268,7 +301,8 @@ def _finish(c, timeout, cut, nodes=None):
             "hung": hung, "out": [c.output(i) for i in chosen], "first": c.first}
 
 
-SCENARIOS = {"partition": _partition, "kill": _kill, "unreachable": _unreachable,
+SCENARIOS = {"partition": _partition, "kill": _kill, "kill_launcher": _kill_launcher,
+             "unreachable": _unreachable,
              "same_node_rank": _same_node_rank, "nnodes": _mismatched_nnodes,
              "late_within": _late(15, 90), "late_beyond": _late(None, 12)}
 
@@ -290,6 +324,19 @@ def outcomes(tmp_path_factory):
         time.sleep(1.5)  # stagger the torch imports a little
     for t in threads:
         t.join()
+    report = os.environ.get("DDPKIT_MULTINODE_REPORT")  # a summary for benchmarks/MULTINODE.md
+    if report:
+        with open(report, "w") as f:
+            for name, r in results.items():
+                if isinstance(r, Exception):
+                    f.write(f"{name}: {type(r).__name__}: {r}\n")
+                    continue
+                after = [None if a is None else round(a, 1) for a in r["after"]]
+                gone = r.get("worker_gone_after")
+                f.write(f"{name}: codes {r['codes']} after {after} s"
+                        + (f", node 1's worker gone {gone:.1f} s after\n" if gone else "\n"))
+                for out in r["out"]:
+                    f.write(f"    {error_line(out)[:400]}\n")
     return results
 
 
@@ -311,10 +358,13 @@ def test_partition_every_node_exits_with_the_collective_timeout(outcomes):
     r = outcome(outcomes, "partition")
     assert all(code != 0 for code in r["codes"]), r["codes"]
     for out in r["out"]:
-        # gloo's words for the stuck collective; the traceback shows where (DDP's all-reduce
-        # runs inside backward, a checkpoint's all_gather in save)
-        assert f"Timed out waiting {TIMEOUT_S}000ms" in out
-        assert any(name in out for name in ("backward", "all_gather", "all_reduce", "barrier"))
+        # one line naming the collective (DDP's all-reduce runs inside backward, a
+        # checkpoint's all_gather in save), gloo's words and the timeout; no traceback
+        line = next(x for x in out.splitlines() if f"Timed out waiting {TIMEOUT_S}000ms" in x)
+        assert line.startswith(("error: collective ", "[rank 1] error: collective ")), line
+        assert f"timed out after {TIMEOUT_S} s" in line and "--iface" in line, line
+        assert any(name in line for name in ("backward", "all_gather", "all_reduce", "barrier"))
+        assert "Traceback" not in out, out[-3000:]
     # node 0 serves the store and notices at once; cut-off node 1 is freed by the watchdog
     assert r["after"][0] < TIMEOUT_S + 25, r["after"]
     assert r["after"][1] < TIMEOUT_S + 20 + 30, r["after"]
@@ -323,6 +373,14 @@ def test_partition_every_node_exits_with_the_collective_timeout(outcomes):
 
 def test_killed_node_makes_the_other_exit_quickly(outcomes):
     r = outcome(outcomes, "kill")
+    assert r["codes"][0] != 0
+    assert r["after"][0] < 30, r["after"]
+    assert "ddpkit run: rank 0 failed" in r["out"][0]
+    assert "Connection closed by peer" in r["out"][0] or "Connection reset" in r["out"][0]
+
+
+def test_killed_launcher_takes_its_workers_and_the_other_node_exits_quickly(outcomes):
+    r = outcome(outcomes, "kill_launcher")
     assert r["codes"][0] != 0
     assert r["after"][0] < 30, r["after"]
     assert "ddpkit run: rank 0 failed" in r["out"][0]

@@ -23,6 +23,19 @@ def test_ddp_gradients_equal_single_process_full_batch():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("hook,tol", [("fp16", 2e-3), ("bf16", 2e-2)])
+def test_compression_hooks_work_on_gloo(hook, tol):
+    # torch's own bf16_compress_hook refuses gloo; ddpkit's runs on any backend.
+    grads = ddpkit.launch(rankfns.hook_one_step, 2, hook, timeout=120)
+    model = rankfns.tiny_model()
+    x, y = rankfns.full_batch()
+    nn.functional.cross_entropy(model(x), y).backward()
+    want = [p.grad for p in model.parameters()]
+    assert not all(torch.equal(g, w) for g, w in zip(grads, want)), "gradients were not compressed"
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
 def test_rank_utilities(tmp_path):
     out = ddpkit.launch(rankfns.comm_ops, 3, str(tmp_path), timeout=120)
     assert out["sum_int"] == 6 and isinstance(out["sum_int"], int)

@@ -251,10 +251,11 @@ class FakeStore:
 
 def test_watch_nnodes_stops_both_nodes_when_they_disagree(capfd):
     store, exits = FakeStore(), []
+    # no workers yet (this process's own children, e.g. of other tests, must not count)
     first = net.watch_nnodes("10.0.0.1:29400", 2, timeout=5, exit=exits.append,
-                             connect=lambda *a: store)
+                             connect=lambda *a: store, list_children=dict)
     second = net.watch_nnodes("10.0.0.1:29400", 3, timeout=5, exit=exits.append,
-                              connect=lambda *a: store)
+                              connect=lambda *a: store, list_children=dict)
     first.join(6)
     second.join(6)
     assert exits == [2, 2]
@@ -267,7 +268,7 @@ def test_watch_nnodes_stops_both_nodes_when_they_disagree(capfd):
 def test_watch_nnodes_is_quiet_when_nodes_agree_or_the_store_is_unreachable():
     store, exits = FakeStore(), []
     threads = [net.watch_nnodes("h:1", 2, timeout=0.6, exit=exits.append,
-                                connect=lambda *a: store) for _ in range(2)]
+                                connect=lambda *a: store, list_children=dict) for _ in range(2)]
 
     def unreachable(*args):
         raise RuntimeError("connection refused")
@@ -277,3 +278,185 @@ def test_watch_nnodes_is_quiet_when_nodes_agree_or_the_store_is_unreachable():
     for t in threads:
         t.join(3)
     assert exits == []
+
+
+# ----------------------------------------------------------------------------- ddpkit run wiring
+
+@pytest.fixture
+def fake_torchrun(monkeypatch, tmp_path):
+    """launchers.run with torchrun, the --nnodes check and the watchdog replaced; env restored."""
+    import torch.distributed.run as trun
+
+    from ddpkit import launchers
+
+    for key in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
+                "NCCL_SOCKET_IFNAME", launchers.LAUNCHER_PID_VAR):
+        monkeypatch.setenv(key, "x")  # remembered, so the test's changes are undone
+        monkeypatch.delenv(key)
+    seen = {"raise": None}
+
+    def torchrun(args):
+        seen.update(args=args, env=dict(os.environ))
+        if seen["raise"]:
+            raise seen["raise"]
+
+    monkeypatch.setattr(trun, "run", torchrun)
+    monkeypatch.setattr(net, "watch_nnodes", lambda *a, **kw: seen.setdefault("watch", (a, kw)))
+    monkeypatch.setattr(net, "AgentWatchdog", lambda endpoint: __import__("contextlib").nullcontext())
+    script = tmp_path / "train.py"
+    script.write_text("")
+    seen["script"] = str(script)
+    return seen
+
+
+def _cfg(seen, **kw):
+    from ddpkit.launchers import RunConfig
+    return RunConfig(script=seen["script"], script_args=["--lr", "1"], **kw)
+
+
+def test_run_on_the_endpoint_host_serves_the_store_with_a_store_per_round(fake_torchrun):
+    from ddpkit.launchers import LAUNCHER_PID_VAR, run
+
+    assert run(_cfg(fake_torchrun, nnodes=2, rdzv_endpoint="127.0.0.1:29411",
+                    rdzv_timeout=30)) == 0
+    args = fake_torchrun["args"]
+    conf = args.rdzv_conf.split(",")
+    assert "is_host=1" in conf and "join_timeout=30" in conf
+    assert (args.training_script, args.training_script_args) == (fake_torchrun["script"],
+                                                                 ["--lr", "1"])
+    env = fake_torchrun["env"]
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env[LAUNCHER_PID_VAR] == str(os.getpid())
+    assert LAUNCHER_PID_VAR not in os.environ  # only while torchrun runs
+    assert fake_torchrun["watch"][0][:2] == ("127.0.0.1:29411", 2)
+
+
+def test_run_single_node_adds_nothing_and_iface_pins_gloo(fake_torchrun):
+    from ddpkit.launchers import run
+
+    assert run(_cfg(fake_torchrun, nproc=2, iface="eth7")) == 0
+    assert fake_torchrun["args"].rdzv_conf == ""
+    assert fake_torchrun["env"]["GLOO_SOCKET_IFNAME"] == "eth7"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in fake_torchrun["env"]
+    assert "watch" not in fake_torchrun
+
+
+def test_run_static_rendezvous_passes_the_timeout_and_reports_a_missing_node(fake_torchrun):
+    from ddpkit.launchers import run
+
+    fake_torchrun["raise"] = DistStoreError("Timed out after 21 seconds waiting for clients. "
+                                            "1/2 clients joined.")
+    with pytest.raises(ConfigError, match=r"^the rendezvous at 127.0.0.1:29522 did not gather "
+                                          r"2 nodes within 20 s \(Timed out after 21 seconds"):
+        run(_cfg(fake_torchrun, nnodes=2, master_addr="127.0.0.1", master_port=29522,
+                 node_rank=1, rdzv_timeout=20))
+    assert "timeout=20" in fake_torchrun["args"].rdzv_conf
+
+
+def test_run_c10d_rendezvous_timeout_is_one_line(fake_torchrun):
+    from ddpkit.launchers import run
+
+    fake_torchrun["raise"] = RendezvousTimeoutError()
+    with pytest.raises(ConfigError, match="did not gather 2 nodes within 12 s"):
+        run(_cfg(fake_torchrun, nnodes=2, rdzv_endpoint="127.0.0.1:29411", rdzv_timeout=12))
+    fake_torchrun["raise"] = ValueError("something else")
+    with pytest.raises(ValueError):
+        run(_cfg(fake_torchrun, nnodes=2, rdzv_endpoint="127.0.0.1:29411"))
+
+
+def test_rdzv_timeout_must_be_at_least_a_second(fake_torchrun):
+    from ddpkit.launchers import run
+
+    with pytest.raises(ConfigError, match="--rdzv-timeout must be >= 1 second, got 0.5"):
+        run(_cfg(fake_torchrun, nnodes=2, rdzv_endpoint="127.0.0.1:29411", rdzv_timeout=0.5))
+
+
+# ----------------------------------------------------------------------------- workers die too
+
+LAUNCHER = """import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+WORKER = """import os, sys, time
+from ddpkit.runtime import die_with_launcher
+armed = die_with_launcher({"DDPKIT_LAUNCHER_PID": str(os.getppid())})
+open(sys.argv[1], "w").write("armed" if armed else "no-op")
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_dies_with_its_launcher(tmp_path):
+    """Like torchrun's workers (own session): kill -9 the launcher, the worker follows."""
+    log = tmp_path / "worker.out"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, str(log)],
+                                stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = int(launcher.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not log.exists() or not log.read_text():
+            assert time.monotonic() < deadline, "the worker never started"
+            time.sleep(0.1)
+        assert log.read_text() == "armed"
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 5
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker), "the worker outlived its launcher"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+        if worker is not None and _alive(worker):
+            os.kill(worker, 9)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def test_die_with_launcher_is_a_no_op_for_other_launchers():
+    from ddpkit.runtime import die_with_launcher
+
+    assert not die_with_launcher({})
+    assert not die_with_launcher({"DDPKIT_LAUNCHER_PID": str(os.getppid() + 1)})
+
+
+# ----------------------------------------------------------------------------- collective timeouts
+
+def test_a_gloo_timeout_is_one_line_naming_the_collective():
+    import torch.distributed as tdist
+
+    from ddpkit.runtime import collective_timeout
+
+    gloo = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms "
+                        "for recv operation to complete")
+    try:  # a traceback through torch.distributed's all_reduce, called from this file
+        def all_reduce(*args, **kwargs):
+            raise gloo
+        all_reduce.__code__ = all_reduce.__code__.replace(co_filename=tdist.distributed_c10d.__file__)
+        all_reduce()
+    except RuntimeError as exc:
+        line = collective_timeout(exc)
+    assert line.startswith("collective all_reduce timed out after 6 s (called at test_net.py:")
+    assert "gloo: Timed out waiting 6000ms for recv operation to complete): a peer rank " in line
+    assert "--iface" in line and "\n" not in line
+    fresh = RuntimeError(str(gloo))  # no traceback: nothing to name
+    assert collective_timeout(fresh).startswith("a collective timed out after 6 s (gloo: ")
+
+
+def test_an_nccl_timeout_names_the_op_and_other_errors_are_left_alone():
+    from ddpkit.runtime import collective_timeout
+
+    nccl = RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+                        "OpType=ALLREDUCE, NumelIn=10, NumelOut=10, Timeout(ms)=600000) ran for "
+                        "600012 milliseconds before timing out.")
+    assert collective_timeout(nccl, None).startswith("collective allreduce timed out after 600 s")
+    assert collective_timeout(ValueError("bad input"), None) is None

@@ -22,7 +22,7 @@ class Net(nn.Module):
 
 
 def test_strategies():
-    assert STRATEGIES == ("ddp", "dp", "none")
+    assert STRATEGIES == ("ddp", "dp", "horovod", "none")
 
 
 def test_wrap_options_defaults():
@@ -64,7 +64,7 @@ def test_dp_on_cpu_warns_and_returns_plain_module():
 def test_unknown_strategy_lists_choices(strategy):
     with pytest.raises(ConfigError) as exc:
         wrap_model(Net(), ClusterEnv(), CPU, strategy)
-    assert str(exc.value) == f"unknown strategy {strategy!r}; choose one of ddp, dp, none"
+    assert str(exc.value) == f"unknown strategy {strategy!r}; choose one of ddp, dp, horovod, none"
 
 
 def test_unknown_strategy_checked_before_the_model_is_touched():

@@ -30,24 +30,7 @@ PER_RANK_BATCH = 64
 
 # ----------------------------------------------------------------------------- comm hooks
 
-def bf16_any_backend_hook(group, bucket):  # type: ignore[no-untyped-def]
-    """torch's fp16_compress_hook in bfloat16, for any backend (torch's own needs NCCL).
-
-    Not named bf16_compress_hook (DDP refuses that name without NCCL) and not annotated (DDP
-    accepts only the real GradBucket/Future classes; this module's annotations are strings).
-    """
-    import torch.distributed as dist
-
-    group = group or dist.group.WORLD
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(group.size())
-    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    def decompress(fut):  # type: ignore[no-untyped-def]
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return fut.then(decompress)
+from ddpkit.wrap import bf16_compress_any_backend as bf16_any_backend_hook  # noqa: E402
 
 
 def register_hook(model: nn.Module, name: str, start_iter: int = 2) -> None:

@@ -86,7 +86,7 @@ def summarize(results: Dict[str, List[Dict[str, Any]]], skipped: Dict[str, str])
     """Median images/s per peer, min-max, and the per-round ratio to the hand-written loop."""
     base = {r["round"]: r["images_s"] for r in results.get("handwritten", []) if "images_s" in r}
     rows = []
-    for peer in PEERS:
+    for peer in [p for p in PEERS if p in results or p in skipped]:
         if peer in skipped:
             rows.append({"peer": peer, "status": f"skipped: {skipped[peer]}"})
             continue

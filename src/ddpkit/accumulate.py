@@ -6,7 +6,7 @@ accumulate locally and are reduced once, on the boundary.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -66,14 +66,24 @@ class Accumulator:
         self.micro += 1
         self.stepped = boundary
         if boundary:
-            if self.skip_nonfinite and self.precision.scaler is None and not self._grads_finite():
-                self.skipped_steps += 1   # gradients are all-reduced: every rank agrees
-            else:
-                self.grad_norm = self.precision.step(self.optimizer, self.clip_norm,
-                                                     self.model.parameters())
-            self.optimizer.zero_grad(set_to_none=True)
+            with self._synchronized():
+                if (self.skip_nonfinite and self.precision.scaler is None
+                        and not self._grads_finite()):
+                    self.skipped_steps += 1   # gradients are all-reduced: every rank agrees
+                else:
+                    self.grad_norm = self.precision.step(self.optimizer, self.clip_norm,
+                                                         self.model.parameters())
+            self.optimizer.zero_grad()  # set_to_none is the default (and Horovod takes no args)
             self.optimizer_steps += 1
             self.micro = 0
+
+    def _synchronized(self) -> Any:
+        # Horovod's DistributedOptimizer averages inside step(); clipping, the finite check and
+        # GradScaler's unscale must see averaged gradients, so average first, then step without.
+        if hasattr(self.optimizer, "skip_synchronize"):
+            self.optimizer.synchronize()
+            return self.optimizer.skip_synchronize()
+        return contextlib.nullcontext()
 
     def _grads_finite(self) -> bool:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

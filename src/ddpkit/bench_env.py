@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["cpu_info", "native_bf16", "bf16_slowdown", "horovod_missing", "environment"]
 
-_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX; Arm's "bf16"
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> Dict[str, Any]:
@@ -84,21 +84,14 @@ def _conv_time(conv: torch.nn.Module, x: torch.Tensor, bf16: bool, repeats: int)
 
 
 def horovod_missing() -> Optional[str]:
-    """None if ``horovod.torch`` imports, else why not (one line).
+    """None if ``horovod.torch`` imports, else why not (one line, with how to build it).
 
     Example::
 
-        reason = horovod_missing()   # "horovod is not installed (scripts/build_horovod.sh ...)"
+        reason = horovod_missing()   # "horovod is not installed (...); build it with ..."
     """
-    try:
-        import horovod.torch  # noqa: F401
-    except ImportError as exc:
-        if getattr(exc, "name", None) == "horovod":
-            return "horovod is not installed (build it with scripts/build_horovod.sh)"
-        return f"import horovod.torch failed: {str(exc).splitlines()[0]}"
-    except Exception as exc:  # a broken build raises anything at import
-        return f"import horovod.torch failed: {type(exc).__name__}: {exc}"
-    return None
+    from .horovod_engine import missing_reason
+    return missing_reason()
 
 
 def _run(cmd: List[str]) -> Optional[str]:

@@ -31,7 +31,7 @@ class Row:
     strategy: str = "ddp"
     precision: str = "fp32"
     channels_last: bool = False
-    accum: str = ""             # "" | "nosync" (ddpkit Accumulator) | "naive" (sync each micro-step)
+    accum: str = ""  # "" | "nosync" (ddpkit Accumulator) | "naive" (sync each micro-step)
     comm_hook: Optional[str] = None
     sync_bn: bool = False
     zero: bool = False
@@ -172,8 +172,6 @@ def skip_reason(row: Row, cfg: BenchConfig, caps: Dict[str, Any]) -> Optional[st
         return "fp16 autocast + GradScaler needs CUDA; on CPU the mixed precision is bf16"
     if row.sync_bn and not cuda:
         return "PyTorch refuses SyncBatchNorm on CPU (it needs CUDA tensors)"
-    if row.comm_hook == "bf16" and not cuda:
-        return "PyTorch's bf16_compress_hook needs CUDA 11+ with NCCL 2.10+ (or XPU); not gloo"
     if row.engine == "horovod" and caps.get("horovod_missing"):
         return caps["horovod_missing"]
     if not row.single and cfg.nproc < 2:

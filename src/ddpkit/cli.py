@@ -24,6 +24,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--master-port", type=int, help="port on node 0 (default: a free one)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node, elastic)")
     p.add_argument("--rdzv-id", help="job id shared by all nodes (default 'ddpkit')")
+    p.add_argument("--rdzv-timeout", type=float, metavar="SECONDS",
+                   help="several nodes: every node must join within this many seconds of the "
+                        "first (default: torchrun's 600)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart the whole group this many times when a worker dies")
     p.add_argument("--iface", help="network interface for gloo/nccl traffic (e.g. eth1)")
@@ -41,7 +44,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     cfg = RunConfig(script=ns.script, script_args=ns.script_args, nproc=ns.nproc,
                     nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                     master_port=ns.master_port, rdzv_endpoint=ns.rdzv_endpoint,
-                    rdzv_id=ns.rdzv_id, max_restarts=ns.max_restarts, module=ns.module,
+                    rdzv_id=ns.rdzv_id, rdzv_timeout=ns.rdzv_timeout,
+                    max_restarts=ns.max_restarts, module=ns.module,
                     iface=ns.iface, log_dir=ns.log_dir, verbose=ns.verbose)
     return run(cfg)
 

@@ -21,6 +21,14 @@ _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.Reduc
         "mean": tdist.ReduceOp.SUM}
 
 
+def _hvd() -> Any:
+    # Horovod's module when the Horovod engine runs this process (ddpkit.horovod_engine), else None.
+    from . import horovod_engine
+    if horovod_engine.is_active() and horovod_engine.hvd().size() > 1:
+        return horovod_engine.hvd()
+    return None
+
+
 def _active() -> bool:
     return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
 
@@ -32,6 +40,9 @@ def rank() -> int:
 
         if rank() == 0: ...
     """
+    h = _hvd()
+    if h is not None:
+        return h.rank()
     return tdist.get_rank() if _active() else 0
 
 
@@ -42,6 +53,9 @@ def world_size() -> int:
 
         per_rank = global_batch // world_size()
     """
+    h = _hvd()
+    if h is not None:
+        return h.size()
     return tdist.get_world_size() if _active() else 1
 
 
@@ -63,7 +77,10 @@ def barrier() -> None:
 
         barrier()
     """
-    if _active():
+    h = _hvd()
+    if h is not None:
+        h.barrier()
+    elif _active():
         tdist.barrier()
 
 
@@ -89,7 +106,17 @@ def reduce(value: Union[torch.Tensor, Number], op: str = "sum") -> Union[torch.T
         raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(_OPS)}")
     is_tensor = isinstance(value, torch.Tensor)
     tensor = value if is_tensor else torch.tensor(value, dtype=torch.float64)
-    if _active():
+    h = _hvd()
+    if h is not None:
+        work = tensor.detach().to("cpu", copy=True)
+        if work.dtype in (torch.float16, torch.bfloat16):
+            work = work.float()
+        hop = {"sum": h.Sum, "mean": h.Sum, "max": h.Max, "min": h.Min}[op]
+        work = h.allreduce(work, op=hop, name=None)
+        if op == "mean":
+            work = work / world_size()
+        tensor = work.to(value.device if is_tensor else "cpu", dtype=tensor.dtype)
+    elif _active():
         work = tensor.detach().to(_comm_device(), copy=True)
         if work.dtype in (torch.float16, torch.bfloat16):
             work = work.float()  # gloo cannot reduce half types; sums need the precision anyway
@@ -114,6 +141,9 @@ def gather_object(obj: Any) -> List[Any]:
 
         counts = gather_object(len(my_shard))   # [n0, n1, ...]
     """
+    h = _hvd()
+    if h is not None:
+        return list(h.allgather_object(obj))
     if not _active():
         return [obj]
     out: List[Any] = [None] * world_size()
@@ -128,6 +158,9 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
         run_dir = broadcast_object(make_run_dir() if is_main() else None)
     """
+    h = _hvd()
+    if h is not None:
+        return h.broadcast_object(obj, root_rank=src)
     if not _active():
         return obj
     box = [obj]

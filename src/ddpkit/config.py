@@ -33,7 +33,8 @@ class TrainConfig:
 
     # launch
     nproc: int = _opt(2, "processes on this node")
-    strategy: str = _opt("ddp", "how the model is replicated", ("ddp", "dp", "none"))
+    strategy: str = _opt("ddp", "how the model is replicated (horovod: needs scripts/build_horovod.sh)",
+                         ("ddp", "dp", "horovod", "none"))
     backend: Optional[str] = _opt(None, "process group backend (default: nccl on GPU, gloo on CPU)")
     accelerator: str = _opt("auto", "device type", ("auto", "cpu", "cuda"))
     timeout_s: float = _opt(600.0, "collective timeout in seconds")
@@ -59,7 +60,8 @@ class TrainConfig:
     precision: str = _opt("fp32", "numeric precision", ("fp32", "bf16", "fp16"))
     channels_last: bool = _opt(False, "channels_last memory format for conv nets")
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm when world size > 1")
-    comm_hook: Optional[str] = _opt(None, "DDP gradient compression", ("fp16", "bf16", "powersgd"))
+    comm_hook: Optional[str] = _opt(None, "gradient compression (horovod: fp16 only)",
+                                     ("fp16", "bf16", "powersgd"))
     find_unused_parameters: bool = _opt(False, "DDP find_unused_parameters")
     skip_nonfinite: bool = _opt(False, "skip optimizer steps with NaN/inf gradients instead of stopping")
     max_steps: Optional[int] = _opt(None, "stop after this many optimizer steps")

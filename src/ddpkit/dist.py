@@ -130,9 +130,11 @@ def init_process_group(env: ClusterEnv, device: torch.device, backend: Optional[
     if tdist.is_initialized():
         return tdist.get_backend()
     url = resolve_init_method(env, init_method)
-    if url == "env://" and env.restart_count > 0:
-        # After an elastic restart the agent's store still holds the previous attempt's
+    if url == "env://" and env.restart_count > 0 and env.shared_store:
+        # After an elastic restart the agent's shared store still holds the previous attempt's
         # addresses; a rank reading one of those connects to a dead peer. Namespace by attempt.
+        # (Without a shared store every round has a fresh one, and restart counts can differ
+        # between nodes, so no prefix: `ddpkit run` on several nodes works that way.)
         store, rank, world = next(rendezvous(url, timeout=timeout))
         store = tdist.PrefixStore(f"ddpkit/attempt{env.restart_count}", store)
         tdist.init_process_group(resolved, store=store, rank=rank, world_size=world,

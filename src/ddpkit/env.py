@@ -35,6 +35,9 @@ class ClusterEnv:
     launcher: str = "single"  # torchrun | slurm | spawn | single
     restart_count: int = 0
     job_id: Optional[str] = None
+    #: torchrun workers reuse the agent's rendezvous store (TORCHELASTIC_USE_AGENT_STORE=True);
+    #: ``ddpkit run`` on several nodes turns that off: a fresh store per rendezvous round.
+    shared_store: bool = False
 
     @property
     def is_distributed(self) -> bool:
@@ -108,6 +111,7 @@ def _from_torchrun(environ: Mapping[str, str], argv: Sequence[str]) -> ClusterEn
         launcher="torchrun",
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         job_id=environ.get("TORCHELASTIC_RUN_ID"),
+        shared_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import pickle
@@ -16,15 +17,21 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
 
+from . import net
 from .env import spawn_env, to_environ
 from .errors import ConfigError
 
-__all__ = ["RunConfig", "run", "launch", "free_port", "resolve_nproc", "LaunchError"]
+__all__ = ["RunConfig", "run", "launch", "free_port", "resolve_nproc", "LaunchError",
+           "LAUNCHER_PID_VAR"]
+
+#: Set for the workers of ``ddpkit run``: the launcher's pid. ``ddpkit.setup`` in a worker whose
+#: parent is that process asks the kernel to kill it when the launcher dies (Linux).
+LAUNCHER_PID_VAR = "DDPKIT_LAUNCHER_PID"
 
 
 class LaunchError(RuntimeError):
@@ -97,6 +104,7 @@ class RunConfig:
     master_port: Optional[int] = None
     rdzv_endpoint: Optional[str] = None
     rdzv_id: Optional[str] = None
+    rdzv_timeout: Optional[float] = None
     max_restarts: int = 0
     module: bool = False
     iface: Optional[str] = None
@@ -113,6 +121,8 @@ def _validate(cfg: RunConfig) -> int:
                           f"{cfg.nnodes} (node ranks run from 0 to {cfg.nnodes - 1})")
     if cfg.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
+    if cfg.rdzv_timeout is not None and cfg.rdzv_timeout < 1:
+        raise ConfigError(f"--rdzv-timeout must be >= 1 second, got {cfg.rdzv_timeout:g}")
     if not cfg.module and not os.path.isfile(cfg.script):
         raise ConfigError(f"script {cfg.script!r} does not exist (relative to {os.getcwd()})")
     if cfg.nnodes > 1 and not (cfg.rdzv_endpoint or cfg.master_addr):
@@ -126,8 +136,8 @@ def _validate(cfg: RunConfig) -> int:
     return nproc
 
 
-def torchrun_args(cfg: RunConfig, nproc: int) -> List[str]:
-    """The ``torchrun`` argument list equivalent to ``cfg``.
+def torchrun_args(cfg: RunConfig, nproc: int, extra: Sequence[str] = ()) -> List[str]:
+    """The ``torchrun`` argument list equivalent to ``cfg`` (``extra`` goes before the script).
 
     Example::
 
@@ -144,22 +154,71 @@ def torchrun_args(cfg: RunConfig, nproc: int) -> List[str]:
                  "--master-port", str(cfg.master_port or 29500)]
     if cfg.log_dir:
         args += ["--log-dir", cfg.log_dir]
+    args += list(extra)
     if cfg.module:
         args.append("--module")
     return args + [cfg.script, *cfg.script_args]
 
 
-def _child_environment(cfg: RunConfig, nproc: int) -> None:
+def _child_environment(nproc: int, iface: Optional[str]) -> None:
     # Split the cores instead of letting torchrun force one thread per process.
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    if cfg.iface:
-        os.environ["GLOO_SOCKET_IFNAME"] = cfg.iface
-        os.environ["NCCL_SOCKET_IFNAME"] = cfg.iface
+    os.environ.update(net.socket_env(iface))
+
+
+def _static_checks(cfg: RunConfig) -> None:
+    """--master-addr runs: node rank 0 must be the master's machine; others must reach it.
+
+    (Another rank on the master's machine is allowed: several launchers on one host.)"""
+    host = cfg.master_addr or "127.0.0.1"
+    if ipaddress.ip_address(net.resolve(host)).is_loopback:
+        return  # every "node" on this one machine
+    hosting = net.is_local(host)
+    if cfg.node_rank == 0 and not hosting:
+        raise ConfigError(f"--node-rank 0 must run on the --master-addr host {host}, which is "
+                          "not an address of this node: give this node another --node-rank")
+    if not hosting:
+        net.check_reachable(host, cfg.master_port or 29500)
+
+
+def _network(cfg: RunConfig) -> Tuple[List[str], net.NodeNetwork]:
+    """Several nodes: check the meeting point and pick the interface; extra torchrun flags.
+
+    c10d (``--rdzv-endpoint``): who serves the store, the address to publish, the interface
+    that routes to the endpoint, a fresh store per rendezvous round. Static (``--master-addr``):
+    the ``--node-rank 0`` / reachability checks and the join timeout."""
+    given = net.NodeNetwork(cfg.iface, None, is_host=False)
+    if cfg.nnodes <= 1:
+        return [], given
+    if not cfg.rdzv_endpoint:
+        _static_checks(cfg)
+        return (["--rdzv-conf", f"timeout={int(cfg.rdzv_timeout)}"] if cfg.rdzv_timeout
+                else []), given
+    plan = net.node_network(cfg.rdzv_endpoint, cfg.iface)
+    # A fresh store per rendezvous round (served by worker rank 0): no stale keys after a
+    # restart, whatever each node's restart count (see ddpkit.dist).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return net.torchrun_extra_args(plan, cfg.rdzv_timeout), plan
+
+
+def _guard(cfg: RunConfig, is_host: bool) -> Any:
+    """Several nodes meeting at a c10d endpoint: the --nnodes check and the agent watchdog."""
+    if cfg.nnodes <= 1 or not cfg.rdzv_endpoint:
+        return contextlib.nullcontext()
+    net.watch_nnodes(cfg.rdzv_endpoint, cfg.nnodes, cfg.rdzv_id or "ddpkit",
+                     cfg.rdzv_timeout or 600.0, is_host=is_host)
+    return net.AgentWatchdog(cfg.rdzv_endpoint)
 
 
 def run(cfg: RunConfig) -> int:
     """Launch ``cfg.script`` on ``nproc`` processes per node through torchrun; returns the exit code.
+
+    On several nodes (:mod:`ddpkit.net`): the endpoint is checked first, the node that holds its
+    address serves the store, gloo/NCCL use the interface that routes there (or ``iface``), a
+    node with another ``--nnodes`` and an agent cut off from the store stop with one line, and
+    rendezvous failures raise a one-line :class:`ConfigError`. Workers that call
+    ``ddpkit.setup()`` die with this process.
 
     Example::
 
@@ -170,11 +229,15 @@ def run(cfg: RunConfig) -> int:
     from torch.distributed.run import run as torchrun
 
     nproc = _validate(cfg)
-    _child_environment(cfg, nproc)
+    extra, plan = _network(cfg)
+    _child_environment(nproc, plan.iface)
     if not cfg.verbose:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    previous_pid = os.environ.get(LAUNCHER_PID_VAR)
+    os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # workers die with this process
     try:
-        torchrun(parse_args(torchrun_args(cfg, nproc)))
+        with _guard(cfg, plan.is_host):
+            torchrun(parse_args(torchrun_args(cfg, nproc, extra)))
     except ChildFailedError as exc:
         rank, failure = _root_cause(exc)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
@@ -183,6 +246,19 @@ def run(cfg: RunConfig) -> int:
         print(f"ddpkit run: rank {rank} failed ({how}); its error is printed above",
               flush=True, file=sys.stderr)
         return code
+    except Exception as exc:
+        if cfg.nnodes <= 1:
+            raise
+        endpoint = cfg.rdzv_endpoint or f"{cfg.master_addr}:{cfg.master_port or 29500}"
+        failure = net.rendezvous_failure(exc, endpoint, cfg.nnodes, cfg.rdzv_timeout)
+        if failure is None:
+            raise
+        raise failure from None
+    finally:
+        if previous_pid is None:
+            os.environ.pop(LAUNCHER_PID_VAR, None)
+        else:
+            os.environ[LAUNCHER_PID_VAR] = previous_pid
     return 0
 
 

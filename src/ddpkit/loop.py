@@ -83,6 +83,8 @@ class _Fit:
 
     def __init__(self, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
                  loader: DistributedLoader, opts: Dict[str, Any]) -> None:
+        # Under the Horovod engine the optimizer averages gradients (no-op for DDP, idempotent).
+        optimizer = rt.optimizer(optimizer, model, opts["accum_steps"])
         self.rt, self.model, self.optimizer, self.loader, self.o = rt, model, optimizer, loader, opts
         self.precision: Precision = opts["precision"] or Precision("fp32", rt.device)
         self.acc = Accumulator(model, optimizer, self.precision, opts["accum_steps"],
@@ -173,13 +175,25 @@ class _Fit:
         with self.acc.micro_step(last=last):
             with self.precision.autocast():
                 loss = self.loss_fn(self.model(x), y)
-            if not math.isfinite(loss.item()) and not self.o["skip_nonfinite"]:
-                raise DDPKitError(
-                    f"loss is {loss.item()} at step {self.state.step + 1} (epoch "
-                    f"{self.state.epoch + 1}); lower --lr, set --clip-grad, or pass "
-                    "--skip-nonfinite to skip such steps")
+            if self._check_every_micro_step:
+                self._check_finite(loss.detach())
             self.acc.backward(loss)
         return loss.detach()
+
+    @property
+    def _check_every_micro_step(self) -> bool:
+        # Reading a loss forces a device sync: on CPU it is free, on GPUs only on logging steps.
+        return not self.o["skip_nonfinite"] and self.rt.device.type == "cpu"
+
+    def _check_finite(self, loss: torch.Tensor) -> float:
+        value = float(loss)
+        if not math.isfinite(value) and not self.o["skip_nonfinite"]:
+            where = "at" if self._check_every_micro_step else "by"
+            raise DDPKitError(
+                f"loss is {value} {where} step {self.state.step + 1} (epoch "
+                f"{self.state.epoch + 1}); lower --lr, set --clip-grad, or pass "
+                "--skip-nonfinite to skip such steps")
+        return value
 
     def train_epoch(self) -> Dict[str, float]:
         self._epoch_done = False
@@ -187,7 +201,8 @@ class _Fit:
             self.loader.set_epoch(self.state.epoch)
         self.resumed_mid_epoch = False
         self.model.train()
-        loss_sum, seen, start = torch.zeros((), dtype=torch.float64), 0, time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.rt.device)  # no per-step sync
+        seen, start = 0, time.perf_counter()
         bar = progress(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
                        self.o["progress"], self.loader.batch_size * self.rt.world_size)
         for batch in bar:
@@ -195,25 +210,31 @@ class _Fit:
             for hook in self.o["hooks"]:
                 hook.on_batch_end(self, batch)
             n = batch[0].shape[0]
-            loss_sum += float(loss) * n
+            loss_sum += loss.double() * n
             seen += n
             if self.acc.stepped:
-                self._after_optimizer_step(float(loss), bar)
+                self._after_optimizer_step(loss, bar)
                 if self._stop():
                     break
         bar.close()
         self._epoch_done = self.loader.at_last_batch  # False when max_steps cut the epoch short
         return self._epoch_metrics(loss_sum, seen, time.perf_counter() - start)
 
-    def _after_optimizer_step(self, loss: float, bar: Any) -> None:
+    def _after_optimizer_step(self, loss_t: torch.Tensor, bar: Any) -> None:
+        log_now = self.logger is not None and (self.state.step + 1) % self.o["log_every"] == 0
+        shown = getattr(bar, "disable", True) is False
+        # The loss is read (a device sync on GPUs) only when someone looks at it.
+        loss = (self._check_finite(loss_t) if log_now or shown or self.o["hooks"]
+                or self._check_every_micro_step else float("nan"))
         self.state.step += 1
         if self.o["scheduler"] is not None and self.o["scheduler_interval"] == "step":
             self.o["scheduler"].step()
         metrics = {"train/loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.acc.grad_norm is not None:
             metrics["train/grad_norm"] = self.acc.grad_norm
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.3g}")
-        if self.logger is not None and self.state.step % self.o["log_every"] == 0:
+        if shown:
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.3g}")
+        if log_now:
             self.logger.log(metrics, self.state.step)
         for hook in self.o["hooks"]:
             hook.on_step_end(self, metrics)

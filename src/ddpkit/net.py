@@ -454,14 +454,16 @@ def _tcp_store(endpoint: str, timeout: float) -> Any:
 
 def watch_nnodes(endpoint: str, nnodes: int, run_id: str = "ddpkit", timeout: float = 600.0,
                  is_host: bool = False, exit: Callable[[int], Any] = os._exit,
-                 connect: Callable[[str, float], Any] = _tcp_store) -> threading.Thread:
+                 connect: Callable[[str, float], Any] = _tcp_store,
+                 list_children: Callable[[], Dict[int, str]] = children) -> threading.Thread:
     """Start a thread that stops this node with one line if a node of the same rendezvous was
     started with another ``--nnodes`` (torchrun would wait out its join timeout instead).
 
     The first node records its ``nnodes`` in the rendezvous store; a node that disagrees says
     so there too, so both sides exit. ``is_host``: this node serves the store, so it lingers
-    a moment before exiting to let the others read why. Best effort: store errors are left
-    to torchrun.
+    a moment before exiting to let the others read why. The watch ends once this process has
+    children (``list_children``: the workers started). Best effort: store errors are left to
+    torchrun.
 
     Example::
 
@@ -485,7 +487,7 @@ def watch_nnodes(endpoint: str, nnodes: int, run_id: str = "ddpkit", timeout: fl
                 store.set(conflict, str(nnodes))
                 return fail(seen, 1.5 if is_host else 0.0)  # the others poll every 0.5 s
             deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and not children():  # until workers start
+            while time.monotonic() < deadline and not list_children():  # until workers start
                 if store.check([conflict]):
                     return fail(store.get(conflict).decode(), 0.0)
                 time.sleep(0.5)

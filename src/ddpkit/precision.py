@@ -5,6 +5,7 @@ Native ``torch.autocast`` + ``GradScaler`` replace the tutorials' NVIDIA apex AM
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, ContextManager, Dict, Optional
 
 import torch
@@ -36,6 +37,8 @@ class Precision:
                               "fp16 GradScaler path); use --precision bf16 on CPU")
         if policy == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("this GPU does not support bf16; use --precision fp16")
+        if policy == "bf16" and device.type == "cpu":
+            _warn_if_bf16_emulated()
         self.policy, self.device = policy, device
         self.scaler: Optional[torch.amp.GradScaler] = (
             torch.amp.GradScaler("cuda") if policy == "fp16" else None)
@@ -112,3 +115,13 @@ class Precision:
                               f"this run uses {self.policy}; pass --precision {state.get('policy')}")
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _warn_if_bf16_emulated() -> None:
+    from .bench_env import cpu_info, native_bf16
+
+    flags = cpu_info()["flags"]
+    if flags and not native_bf16(flags):
+        warnings.warn("bf16 on this CPU is emulated (no avx512_bf16/amx_bf16 flag): expect it to "
+                      "run several times SLOWER than fp32 here; use --precision fp32 (with "
+                      "--channels-last) on this machine", stacklevel=3)

@@ -69,6 +69,12 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
                           f"{cfg.data_dir!r}); nothing is downloaded")
     if cfg.strategy == "dp" and world_size > 1:
         raise ConfigError("strategy 'dp' runs one process over all GPUs; use --nproc 1")
+    if cfg.strategy == "horovod":
+        from . import horovod_engine
+        reason = horovod_engine.missing_reason()
+        if reason:
+            raise ConfigError(f"--strategy horovod: {reason}")
+        horovod_engine.check_options({"comm_hook": cfg.comm_hook, "sync_bn": cfg.sync_bn})
     if cfg.sync_bn and world_size > 1 and not cuda:
         raise ConfigError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm refuses CPU tensors; "
                           "drop --sync-bn when training on CPU")
@@ -143,7 +149,8 @@ def train(cfg: TrainConfig) -> TrainState:
         print(state.best)
     """
     rt = setup(backend=cfg.backend, accelerator=cfg.accelerator, seed=cfg.seed,
-               timeout=timedelta(seconds=cfg.timeout_s), deterministic=cfg.deterministic)
+               timeout=timedelta(seconds=cfg.timeout_s), deterministic=cfg.deterministic,
+               engine="horovod" if cfg.strategy == "horovod" else "torch")
     check_config(cfg, rt.world_size, rt.device.type == "cuda")
     banner(rt.env, rt.device, rt.backend)
     train_set, test_set = _datasets(cfg)
@@ -154,7 +161,9 @@ def train(cfg: TrainConfig) -> TrainState:
     micro = micro_batch_size(cfg, rt.world_size)
     loader = rt.loader(train_set, batch_size=cfg.batch_size, per_rank_batch=micro,
                        seed=cfg.seed, num_workers=cfg.workers)
-    optimizer = _optimizer(cfg, model)
+    # Under Horovod: its DistributedOptimizer (fp16 compression = --comm-hook fp16).
+    optimizer = rt.optimizer(_optimizer(cfg, model), model, cfg.accum_steps,
+                             compression=cfg.comm_hook if cfg.strategy == "horovod" else None)
     scheduler, interval = _scheduler(cfg, optimizer, math.ceil(len(loader) / cfg.accum_steps))
     comm.print0(f"train: {len(train_set)} samples, test: {len(test_set)} samples, "
                 f"{len(loader)} micro-batches of {micro} per process per epoch")

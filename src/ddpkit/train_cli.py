@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import typing
 from typing import Any, Dict
 
@@ -49,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--master-addr")
     p.add_argument("--master-port", type=int)
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
+    p.add_argument("--rdzv-timeout", type=float, metavar="SECONDS",
+                   help="several nodes: every node must join within this many seconds of the "
+                        "first (default: torchrun's 600)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart workers this many times on failure (resumes from checkpoint)")
     p.add_argument("--iface", help="network interface for gloo/nccl traffic")
@@ -82,10 +86,24 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     if inside_launcher or (cfg.nproc == 1 and ns.nnodes == 1 and not ns.max_restarts):
         train(cfg)
         return 0
+    if cfg.strategy == "horovod":
+        return _run_horovod(cfg, ns, path)
     return run(RunConfig(script="ddpkit.train", module=True, script_args=[path], nproc=cfg.nproc,
                          nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                          master_port=ns.master_port, rdzv_endpoint=ns.rdzv_endpoint,
-                         max_restarts=ns.max_restarts, iface=ns.iface))
+                         rdzv_timeout=ns.rdzv_timeout, max_restarts=ns.max_restarts,
+                         iface=ns.iface))
+
+
+def _run_horovod(cfg: TrainConfig, ns: argparse.Namespace, path: str) -> int:
+    """``--strategy horovod``: the workers run under ``horovodrun`` (gloo) on this host."""
+    from . import horovod_engine
+
+    if ns.nnodes != 1 or ns.max_restarts:
+        raise ConfigError("--strategy horovod runs on one node without restarts from `ddpkit "
+                          "train`; for several hosts run `horovodrun -H ... python -m "
+                          f"ddpkit.train {path}` yourself")
+    return horovod_engine.run(cfg.nproc, [sys.executable, "-m", "ddpkit.train", path])
 
 
 def _pretty(cfg: TrainConfig) -> str:

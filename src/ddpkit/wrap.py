@@ -1,4 +1,5 @@
-"""Model wrapping strategies: ``ddp`` (DistributedDataParallel), ``dp`` (DataParallel), ``none``.
+"""Model wrapping strategies: ``ddp`` (DistributedDataParallel), ``dp`` (DataParallel),
+``horovod`` (Horovod engine: broadcast only, gradients averaged by its optimizer), ``none``.
 
 Also SyncBatchNorm conversion and :func:`unwrap` to get the plain module back for saving.
 """
@@ -15,9 +16,9 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from .env import ClusterEnv
 from .errors import ConfigError
 
-__all__ = ["STRATEGIES", "WrapOptions", "wrap_model", "unwrap"]
+__all__ = ["STRATEGIES", "WrapOptions", "wrap_model", "unwrap", "bf16_compress_any_backend"]
 
-STRATEGIES = ("ddp", "dp", "none")
+STRATEGIES = ("ddp", "dp", "horovod", "none")
 
 
 @dataclass
@@ -36,6 +37,8 @@ class WrapOptions:
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True
     comm_hook: Optional[str] = None  # fp16 | bf16 | powersgd
+    powersgd_rank: int = 2           # matrix approximation rank of PowerSGD
+    powersgd_start_iter: int = 10    # plain all-reduce for the first N steps (PowerSGD warm-up)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -62,19 +65,46 @@ def _wrap_dp(model: nn.Module, device: torch.device) -> nn.Module:
     return DataParallel(model)
 
 
-def _register_comm_hook(model: DistributedDataParallel, name: str) -> None:
+def bf16_compress_any_backend(group, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: all-reduce each gradient bucket in bfloat16, on any backend (gloo too).
+
+    torch's ``bf16_compress_hook`` does the same but refuses anything but NCCL >= 2.10. Not
+    annotated on purpose: DDP checks annotations against its own GradBucket/Future classes.
+
+    Example::
+
+        ddp_model.register_comm_hook(None, bf16_compress_any_backend)
+    """
+    group = group or torch.distributed.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+    fut = torch.distributed.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):  # type: ignore[no-untyped-def]
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return fut.then(decompress)
+
+
+def _register_comm_hook(model: DistributedDataParallel, name: str,
+                        opts: Optional[WrapOptions] = None) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+    opts = opts or WrapOptions()
     hooks: dict[str, Callable[[], tuple]] = {
         "fp16": lambda: (None, default.fp16_compress_hook),
         "bf16": lambda: (None, default.bf16_compress_hook),
-        "powersgd": lambda: (powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                                    start_powerSGD_iter=10),
-                             powersgd.powerSGD_hook),
+        "powersgd": lambda: (powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=opts.powersgd_rank,
+            start_powerSGD_iter=opts.powersgd_start_iter), powersgd.powerSGD_hook),
     }
     if name not in hooks:
         raise ConfigError(f"unknown comm hook {name!r}; choose one of {', '.join(hooks)}")
+    if name == "bf16" and torch.distributed.get_backend() != "nccl":
+        # torch's bf16_compress_hook insists on NCCL >= 2.10 (it raises on gloo at the first step)
+        hooks["bf16"] = lambda: (None, bf16_compress_any_backend)
     state, hook = hooks[name]()
     model.register_comm_hook(state, hook)
 
@@ -95,6 +125,15 @@ def wrap_model(model: nn.Module, env: ClusterEnv, device: torch.device, strategy
                               "CPU modules; drop --sync-bn when training on CPU")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
+    if strategy == "horovod":
+        from . import horovod_engine
+        horovod_engine.check_options({"comm_hook": opts.comm_hook, "sync_bn": opts.sync_bn})
+        if horovod_engine.is_active():
+            return horovod_engine.broadcast_model(model)
+        if env.is_distributed:
+            raise ConfigError("strategy 'horovod' needs the Horovod engine: start the script "
+                              "with horovodrun (or `ddpkit train --strategy horovod`)")
+        return model
     if strategy == "dp":
         return _wrap_dp(model, device)
     if strategy == "none" or not env.is_distributed:
@@ -106,5 +145,5 @@ def wrap_model(model: nn.Module, env: ClusterEnv, device: torch.device, strategy
         # Only pass the non-default: newer torch warns that this argument is deprecated.
         **({} if opts.broadcast_buffers else {"broadcast_buffers": False}))
     if opts.comm_hook:
-        _register_comm_hook(ddp, opts.comm_hook)
+        _register_comm_hook(ddp, opts.comm_hook, opts)
     return ddp

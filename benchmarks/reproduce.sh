@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every measurement behind benchmarks/RESULTS.md, in the order it was taken, into one directory.
+#
+#   benchmarks/reproduce.sh [OUT] [PYTHON]      # OUT defaults to bench-out/reproduce
+#
+# Needs: ddpkit installed in PYTHON's environment with the `plot` and `peers` extras
+# (`pip install -e ".[plot,peers]"`), Horovod for its row (`make horovod`), and root with
+# `ip netns` + `tc` for the shaped-link part (skipped otherwise). About an hour on 2 quiet cores.
+# Run it on an otherwise idle machine: every figure is a ratio of rows measured side by side,
+# but a busy machine widens every spread.
+set -euo pipefail
+OUT=${1:-bench-out/reproduce}
+PY=${2:-${PYTHON:-python3}}
+mkdir -p "$OUT"
+log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/commands.log"; }
+
+log "ddpkit bench (default rows, ResNet-18, interleaved rounds within the 540 s budget)"
+"$PY" -m ddpkit bench --output "$OUT/default"
+
+log "scaling: single-1t vs 2 independent processes vs DDP (4 interleaved rounds)"
+"$PY" -m ddpkit bench --rows single-1t,indep,ddp,ddp-cl --repeats 4 --budget 900 \
+    --output "$OUT/scaling"
+
+log "peers: hand-written DDP, ddpkit, Accelerate, Fabric (rotated order, 3 rounds)"
+"$PY" benchmarks/peers/run_peers.py --rounds 3 --output "$OUT/peers"
+
+log "all-reduce of the ResNet-18 gradient between 2 processes (communication share of a step)"
+"$PY" benchmarks/allreduce_probe.py --repeats 10 | tee "$OUT/allreduce.txt"
+
+log "accuracy mode: every row trained on the real digits data, exact top-1"
+"$PY" -m ddpkit bench --accuracy --output "$OUT/accuracy"
+
+if [ "$(id -u)" = 0 ] && command -v ip > /dev/null && command -v tc > /dev/null; then
+    log "shaped links between 2 network namespaces (tbf), hooks x link speeds"
+    "$PY" benchmarks/multinode/shaped_links.py --out "$OUT/shaped" --rounds 2 --steps 3 \
+        --hooks none fp16 bf16 powersgd1 powersgd2
+else
+    log "shaped links skipped: needs root, ip and tc"
+fi
+log "done"

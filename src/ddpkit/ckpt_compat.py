@@ -1,0 +1,99 @@
+"""Does a checkpoint fit this run? Model and optimizer state checked with every mismatch named.
+
+Used by resume before anything is loaded, so a wrong checkpoint is one clear line, not a
+``load_state_dict`` traceback from every rank.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["check_compatible", "check_optimizer_compatible"]
+
+_SHOWN = 5                               # keys named per category in mismatch messages
+
+
+def check_compatible(model_state: Dict[str, Any], current: Any, what: str = "model") -> None:
+    """Raise :class:`ConfigError` unless the checkpoint's state_dict fits ``current`` exactly.
+
+    ``current`` is this run's ``module.state_dict()`` (or the module). The message names up
+    to five missing keys, unexpected keys and shape mismatches.
+
+    Example::
+
+        check_compatible(state["model"], unwrap(model).state_dict())
+    """
+    if hasattr(current, "state_dict"):
+        current = current.state_dict()
+    if not isinstance(model_state, dict):
+        raise ConfigError(f"checkpoint {what} state is a {type(model_state).__name__}, not a "
+                          f"state_dict; save {what}.state_dict() in the checkpoint")
+    missing = [k for k in current if k not in model_state]
+    unexpected = [k for k in model_state if k not in current]
+    shapes = _shape_mismatches(model_state, current, what)
+    if not (missing or unexpected or shapes):
+        return
+    parts = [f"{label}: {_some(items)}" for label, items in
+             (("missing keys", missing), ("unexpected keys", unexpected),
+              ("shape mismatches", shapes)) if items]
+    hint = _prefix_hint(missing, unexpected)
+    raise ConfigError(f"checkpoint {what} does not fit this run's {what} (the checkpoint is "
+                      f"from a different {what}): {'; '.join(parts)}{hint}; build the same "
+                      f"{what} as the run that saved it, or start fresh")
+
+
+def _shape_mismatches(saved: Dict[str, Any], current: Dict[str, Any], what: str) -> List[str]:
+    out = []
+    for key, value in current.items():
+        ours, theirs = _shape(value), _shape(saved.get(key))
+        if ours is not None and theirs is not None and ours != theirs:
+            out.append(f"{key}: checkpoint {theirs} vs {what} {ours}")
+    return out
+
+
+def _shape(value: Any) -> Optional[Tuple[int, ...]]:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _some(items: List[str]) -> str:
+    more = f" (+{len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
+    return ", ".join(items[:_SHOWN]) + more
+
+
+def _prefix_hint(missing: List[str], unexpected: List[str]) -> str:
+    # The commonest cause: one side was saved/loaded through the DDP wrapper ("module." keys).
+    if missing and unexpected and _unprefixed(missing) == _unprefixed(unexpected):
+        return " (only the DDP 'module.' prefix differs: use ddpkit.unwrap(model) on both sides)"
+    return ""
+
+
+def _unprefixed(keys: List[str]) -> List[str]:
+    return sorted(k[len("module."):] if k.startswith("module.") else k for k in keys)
+
+
+def check_optimizer_compatible(opt_state: Dict[str, Any],
+                               optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`ConfigError` unless param groups and params per group match ``optimizer``.
+
+    Example::
+
+        check_optimizer_compatible(state["optimizer"], optimizer)
+        optimizer.load_state_dict(state["optimizer"])
+    """
+    groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
+    if not isinstance(groups, list):
+        raise ConfigError("checkpoint optimizer state has no 'param_groups'; save "
+                          "optimizer.state_dict() there")
+    saved = [len(g.get("params", [])) for g in groups]
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != ours:
+        raise ConfigError(f"checkpoint optimizer has {_groups(saved)}; this run's optimizer has "
+                          f"{_groups(ours)}; build the optimizer the same way as the saved run")
+
+
+def _groups(counts: List[int]) -> str:
+    noun = "param group" if len(counts) == 1 else "param groups"
+    return f"{len(counts)} {noun} with {', '.join(map(str, counts)) or 'no'} params"
