@@ -193,15 +193,20 @@ def _partition(tmp):
         return _finish(c, 120, cut=cut)
 
 
-def _kill(tmp):
-    """Node 1 dies (launcher and worker, kill -9): node 0 must exit non-zero quickly."""
+def _train_slowly(c, tmp):
+    """Start the slow job (60 s collective timeout) on both nodes; return after 8 steps."""
     out = os.path.join(tmp, "out")
     os.makedirs(out)
     job = [SLOW_JOB, "--out", out, "--timeout-s", "60", "--step-sleep", "0.3"]
+    for i in range(2):
+        c.start(i, RUN + node_args(c) + job, cwd=ROOT)
+    wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
+
+
+def _kill(tmp):
+    """Node 1 dies (launcher and worker, kill -9): node 0 must exit non-zero quickly."""
     with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
-        for i in range(2):
-            c.start(i, RUN + node_args(c) + job, cwd=ROOT)
-        wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
+        _train_slowly(c, tmp)
         cut = time.monotonic()
         c.kill(1)
         return _finish(c, 90, cut=cut, nodes=[0])
@@ -210,13 +215,8 @@ def _kill(tmp):
 def _kill_launcher(tmp):
     """Only node 1's launcher dies (kill -9): its worker follows at once (parent-death signal),
     so node 0 fails quickly instead of after torchrun's 300 s exit barrier."""
-    out = os.path.join(tmp, "out")
-    os.makedirs(out)
-    job = [SLOW_JOB, "--out", out, "--timeout-s", "60", "--step-sleep", "0.3"]
     with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
-        for i in range(2):
-            c.start(i, RUN + node_args(c) + job, cwd=ROOT)
-        wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
+        _train_slowly(c, tmp)
         launcher = c.procs[1].pid
         with open(f"/proc/{launcher}/cmdline", "rb") as f:
             assert b"ddpkit" in f.read(), "the node's process is not the launcher itself"

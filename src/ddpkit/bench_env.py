@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["cpu_info", "native_bf16", "bf16_slowdown", "horovod_missing", "environment"]
+__all__ = ["cpu_info", "native_bf16", "bf16_slowdown", "environment"]
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX; Arm's "bf16"
 
@@ -81,17 +81,6 @@ def _conv_time(conv: torch.nn.Module, x: torch.Tensor, bf16: bool, repeats: int)
         out.float().sum().backward()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def horovod_missing() -> Optional[str]:
-    """None if ``horovod.torch`` imports, else why not (one line, with how to build it).
-
-    Example::
-
-        reason = horovod_missing()   # "horovod is not installed (...); build it with ..."
-    """
-    from .horovod_engine import missing_reason
-    return missing_reason()
 
 
 def _run(cmd: List[str]) -> Optional[str]:

@@ -147,10 +147,11 @@ def capabilities(cfg: BenchConfig) -> Dict[str, Any]:
     """
     import torch
 
-    from .bench_env import bf16_slowdown, cpu_info, horovod_missing, native_bf16
+    from .bench_env import bf16_slowdown, cpu_info, native_bf16
+    from .horovod_engine import missing_reason
 
     caps: Dict[str, Any] = {"cuda_count": torch.cuda.device_count(), "bf16_slowdown": None}
-    caps["horovod_missing"] = horovod_missing() if "horovod" in cfg.rows else None
+    caps["horovod_missing"] = missing_reason() if "horovod" in cfg.rows else None
     caps["native_bf16"] = caps["cuda_count"] > 0 or native_bf16(cpu_info()["flags"])
     wants_bf16 = any(ROWS[r].precision == "bf16" for r in cfg.rows)
     if wants_bf16 and not caps["native_bf16"]:

@@ -156,41 +156,30 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     """
     if engine not in ("auto", "torch", "horovod"):
         raise DDPKitError(f"unknown engine {engine!r}; choose auto, torch or horovod")
-    if engine == "horovod" or (engine == "auto" and env is None
-                               and horovod_engine.started_by_horovod(os.environ)):
-        return _setup_horovod(accelerator, seed, deterministic)
-    die_with_launcher()
-    env = env or detect(os.environ, sys.argv if argv is None else argv, expected_world_size)
+    horovod = engine == "horovod" or (engine == "auto" and env is None
+                                      and horovod_engine.started_by_horovod(os.environ))
+    if horovod:
+        env = horovod_engine.init()  # hvd.init() takes the place of the process group
+    else:
+        die_with_launcher()
+        env = env or detect(os.environ, sys.argv if argv is None else argv, expected_world_size)
     install_error_hook(env.rank)  # before init too: a bad backend must be one line as well
     comm.install_rank_warnings(env.rank)
     device = select_device(env, accelerator)
     threads = cpu_threads_per_process(env) if device.type == "cpu" else None
     if threads:
         torch.set_num_threads(threads)
-    backend_name = init_process_group(env, device, backend, init_method, timeout)
-    if backend_name is not None:
-        install_error_hook(env.rank)  # PyTorch wrapped the hook at init; ours goes outermost
+    if horovod:
+        backend_name: Optional[str] = "horovod"
+    else:
+        backend_name = init_process_group(env, device, backend, init_method, timeout)
+        if backend_name is not None:
+            install_error_hook(env.rank)  # PyTorch wrapped the hook at init; ours goes outermost
     if seed is not None:
         seed_everything(seed)
     if deterministic:
         set_deterministic(True)
     return Runtime(env, device, backend_name)
-
-
-def _setup_horovod(accelerator: str, seed: Optional[int], deterministic: bool) -> Runtime:
-    env = horovod_engine.init()
-    install_error_hook(env.rank)
-    comm.install_rank_warnings(env.rank)
-    device = select_device(env, accelerator)
-    if device.type == "cpu":
-        threads = cpu_threads_per_process(env)
-        if threads:
-            torch.set_num_threads(threads)
-    if seed is not None:
-        seed_everything(seed)
-    if deterministic:
-        set_deterministic(True)
-    return Runtime(env, device, "horovod")
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
