@@ -6,7 +6,9 @@ except :func:`cpu_threads_per_process`, which honours the user's ``OMP_NUM_THREA
 from __future__ import annotations
 
 import atexit
+import gc
 import os
+import time
 from datetime import timedelta
 from typing import Mapping, Optional
 
@@ -142,8 +144,30 @@ def init_process_group(env: ClusterEnv, device: torch.device, backend: Optional[
     else:
         kwargs = {} if url == "env://" else {"rank": env.rank, "world_size": env.world_size}
         tdist.init_process_group(resolved, init_method=url, timeout=timeout, **kwargs)
-    atexit.register(shutdown)
+    _register_exit_handler()
     return resolved
+
+
+_EXIT_HANDLER_REGISTERED = False
+
+
+def _register_exit_handler() -> None:
+    global _EXIT_HANDLER_REGISTERED
+    if not _EXIT_HANDLER_REGISTERED:
+        atexit.register(_shutdown_at_exit)
+        _EXIT_HANDLER_REGISTERED = True
+
+
+def _shutdown_at_exit(grace: float = 0.2) -> None:
+    # Destroy the group while the interpreter is fully alive, then give gloo's worker threads a
+    # moment to drop the last collectives they hold. A worker that releases a tensor with a
+    # Python object after finalization has begun needs the GIL it can no longer get, and the
+    # process dies with "terminate called without an active exception" (SIGABRT) although the
+    # script succeeded: a rank that leaves right after its last collective (the ones that do
+    # not save the model) hits it on a loaded machine. pytorch/pytorch#179291 has the analysis.
+    shutdown()
+    gc.collect()
+    time.sleep(grace)
 
 
 def shutdown() -> None:
