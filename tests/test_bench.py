@@ -143,3 +143,27 @@ def test_quick_bench_smoke(tmp_path):
         assert (out / "chart.png").stat().st_size > 0
     except ImportError:
         assert "matplotlib" in table
+
+
+@pytest.mark.slow
+def test_peers_interleaved_smoke(tmp_path):
+    """benchmarks/peers runs from a clone: hand-written DDP and ddpkit built in one job, steps
+    alternating; both peers get figures and a paired ratio. Never a speed assertion."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "peers", "run_peers.py"),
+         "--peers", "handwritten,ddpkit", "--interleave", "--rounds", "1", "--steps", "2",
+         "--warmup", "1", "--model", "small_cnn", "--output", str(tmp_path)],
+        capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    saved = json.loads((tmp_path / "peers.json").read_text())
+    assert saved["environment"]["interleave"] is True
+    rows = {r["peer"]: r for r in saved["summary"]}
+    assert set(rows) == {"handwritten", "ddpkit"}
+    for name, row in rows.items():
+        assert row["status"] == "ok", row
+        assert row["images_s"] > 0 and row["rounds"] == 1
+        (raw,) = saved["raw"][name]
+        assert len(raw["step_s"]) == 2 and all(len(r) == 2 for r in raw["step_s"])  # 2 ranks
+    assert rows["handwritten"]["ratio"] == 1.0 and rows["ddpkit"]["ratio"] > 0
+    assert (tmp_path / "peers.md").read_text().count("| handwritten |") == 1

@@ -1,7 +1,10 @@
-"""One rank of one peer's training loop, started by torchrun from run_peers.py.
+"""One rank of one or several peers' training loops, started by torchrun from run_peers.py.
 
 Four loops over the same model, data, per-rank batch and threads; rank 0 writes every rank's
 step times to --result. Each step is timed from fetching the batch to optimizer.step returning.
+With several peers (``--peer handwritten,ddpkit``) every loop is built in this one job, each with
+its own model, optimizer and loader, and their steps alternate (A B A B, order rotated every
+step): drift of the machine then hits all of them within seconds of each other.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ def _epochs(make_pass: Callable[[int], Iterator[Any]]) -> Iterator[Any]:
 
 def handwritten(args: argparse.Namespace) -> Callable[[], None]:
     """The tutorials' DDP loop in plain PyTorch: init_process_group, DDP, DistributedSampler."""
-    dist.init_process_group("gloo")  # env:// from torchrun
+    if not dist.is_initialized():  # (interleaved with other peers, one of them may have)
+        dist.init_process_group("gloo")  # env:// from torchrun
     model = nn.parallel.DistributedDataParallel(_model(args))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     data = _data(args)
@@ -62,12 +66,12 @@ def handwritten(args: argparse.Namespace) -> Callable[[], None]:
     return step
 
 
-def ddpkit_loop(args: argparse.Namespace) -> Callable[[], None]:
+def ddpkit_loop(args: argparse.Namespace, **wrap_options: Any) -> Callable[[], None]:
     """The ddpkit path users write: setup, rt.wrap, rt.loader, Accumulator, Precision."""
     import ddpkit
     rt = ddpkit.setup(seed=SEED)
     torch.set_num_threads(args.threads)  # setup() may have chosen threads; the peers must match
-    model = rt.wrap(_model(args))
+    model = rt.wrap(_model(args), **wrap_options)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     loader = rt.loader(_data(args), batch_size=args.batch * rt.world_size, seed=SEED,
                        drop_last=True)
@@ -129,9 +133,14 @@ def fabric_loop(args: argparse.Namespace) -> Callable[[], None]:
     return step
 
 
+def ddpkit_no_bucket_view(args: argparse.Namespace) -> Callable[[], None]:
+    """Diagnostic: ddpkit with DDP's default ``gradient_as_bucket_view=False`` (ddpkit's is True)."""
+    return ddpkit_loop(args, gradient_as_bucket_view=False)
+
+
 PEERS: Dict[str, Callable[[argparse.Namespace], Callable[[], None]]] = {
     "handwritten": handwritten, "ddpkit": ddpkit_loop, "accelerate": accelerate_loop,
-    "fabric": fabric_loop}
+    "fabric": fabric_loop, "ddpkit-nobv": ddpkit_no_bucket_view}
 
 
 def _timed(step: Callable[[], None], warmup: int, steps: int) -> Dict[str, List[float]]:
@@ -146,25 +155,54 @@ def _timed(step: Callable[[], None], warmup: int, steps: int) -> Dict[str, List[
     return {"step_s": wall, "cpu_s": cpu}
 
 
+def _timed_interleaved(steps_by_peer: Dict[str, Callable[[], None]], warmup: int,
+                       steps: int) -> Dict[str, Dict[str, List[float]]]:
+    """Every peer's steps alternating: warm-up each, then rounds A B, B A, ... (same on all ranks,
+    so the collectives of the ranks match)."""
+    names = list(steps_by_peer)
+    for _ in range(warmup):
+        for name in names:
+            steps_by_peer[name]()
+    out: Dict[str, Dict[str, List[float]]] = {n: {"step_s": [], "cpu_s": []} for n in names}
+    for i in range(steps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            steps_by_peer[name]()
+            out[name]["step_s"].append(time.perf_counter() - start)
+            out[name]["cpu_s"].append(time.process_time() - start_cpu)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--peer", choices=list(PEERS), required=True)
+    p.add_argument("--peer", required=True,
+                   help=f"one of {', '.join(PEERS)}, or several comma-separated (interleaved)")
     for flag, default in (("--batch", 64), ("--threads", 1), ("--steps", 4), ("--warmup", 1),
                           ("--epoch-size", 50_000)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--model", default="resnet18")
     p.add_argument("--result", required=True)
     args = p.parse_args()
+    names = args.peer.split(",")
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        p.error(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
     torch.set_num_threads(args.threads)
-    step = PEERS[args.peer](args)
-    torch.set_num_threads(args.threads)  # again: a framework may have changed it on set-up
-    mine = {**_timed(step, args.warmup, args.steps), "threads": torch.get_num_threads(),
-            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    steps = {}
+    for name in names:
+        steps[name] = PEERS[name](args)
+        torch.set_num_threads(args.threads)  # again: a framework may have changed it on set-up
+    if len(names) == 1:
+        timed = {names[0]: _timed(steps[names[0]], args.warmup, args.steps)}
+    else:
+        timed = _timed_interleaved(steps, args.warmup, args.steps)
+    extra = {"threads": torch.get_num_threads(),
+             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     ranks: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mine)
+    dist.all_gather_object(ranks, {name: {**t, **extra} for name, t in timed.items()})
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
-            json.dump({"peer": args.peer, "ranks": ranks}, f)
+            json.dump({"peers": {n: [r[n] for r in ranks] for n in names}}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -4,6 +4,8 @@
 
 Every measurement is a fresh ``torchrun`` of peer_worker.py (same launcher for all peers); the
 peers alternate within each round (order rotated every round) so machine drift hits all of them.
+With ``--interleave`` each round is one job in which every peer is built and their steps
+alternate A B A B (order rotated every step): the pairs are then seconds apart, not minutes.
 Reports global images/s per peer and its ratio to the hand-written loop, paired by round, also
 per CPU second the ranks got (on a shared machine, other programs' load is then factored out).
 """
@@ -24,6 +26,8 @@ from ddpkit.bench_report import cpu_share, median, repeat_figures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ("handwritten", "ddpkit", "accelerate", "fabric")
+#: Not in the default set: ddpkit with DDP's default gradient_as_bucket_view=False (diagnostic).
+EXTRA_PEERS = ("ddpkit-nobv",)
 NEEDS = {"accelerate": ("accelerate", "pip install accelerate"),
          "fabric": ("lightning", "pip install lightning")}
 
@@ -38,8 +42,10 @@ def missing(peer: str) -> Optional[str]:
     return None
 
 
-def run_once(peer: str, args: argparse.Namespace) -> Dict[str, Any]:
-    """One torchrun of ``peer``; its figures, or {"error": one line}."""
+def run_once(peer: str, args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
+    """One torchrun of ``peer`` (or of several, comma-separated, interleaved step by step);
+    {peer: its figures, or {"error": one line}}."""
+    names = peer.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -52,12 +58,17 @@ def run_once(peer: str, args: argparse.Namespace) -> Dict[str, Any]:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                                   timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.timeout} s"}
+            return {n: {"error": f"timed out after {args.timeout} s"} for n in names}
         if proc.returncode != 0 or not os.path.exists(result):
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-            return {"error": (lines or ["exit code %d" % proc.returncode])[-1][:300]}
+            return {n: {"error": (lines or ["exit code %d" % proc.returncode])[-1][:300]}
+                    for n in names}
         with open(result) as f:
-            ranks = json.load(f)["ranks"]
+            by_peer = json.load(f)["peers"]
+    return {n: _figures(by_peer[n], args) for n in names}
+
+
+def _figures(ranks: List[Dict[str, Any]], args: argparse.Namespace) -> Dict[str, Any]:
     out = repeat_figures([r["step_s"] for r in ranks], args.nproc * args.batch)
     threads = [r["threads"] for r in ranks]
     out.update(step_s=[r["step_s"] for r in ranks], threads=threads,
@@ -68,17 +79,20 @@ def run_once(peer: str, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def rounds(args: argparse.Namespace, peers: List[str]) -> Dict[str, List[Dict[str, Any]]]:
-    """ABCD, BCDA, CDAB, ...: every peer in every round, in rotating order."""
+    """ABCD, BCDA, CDAB, ...: every peer in every round, in rotating order (one job per peer, or
+    with ``args.interleave`` one job per round whose steps alternate between the peers)."""
     results: Dict[str, List[Dict[str, Any]]] = {p: [] for p in peers}
     for rnd in range(args.rounds):
         order = peers[rnd % len(peers):] + peers[:rnd % len(peers)]
-        for peer in order:
-            res = run_once(peer, args)
-            res["round"] = rnd
-            results[peer].append(res)
-            shown = res.get("error") or (f"{res['images_s']:.1f} images/s, CPU share "
-                                         f"{res['cpu_share']:.2f}, load {res['load_average']}")
-            print(f"[round {rnd + 1}/{args.rounds}] {peer}: {shown}", flush=True)
+        jobs = [",".join(order)] if args.interleave else order
+        for job in jobs:
+            for peer, res in run_once(job, args).items():
+                res["round"] = rnd
+                results[peer].append(res)
+                shown = res.get("error") or (f"{res['images_s']:.1f} images/s, CPU share "
+                                             f"{res['cpu_share']:.2f}, load "
+                                             f"{res['load_average']}")
+                print(f"[round {rnd + 1}/{args.rounds}] {peer}: {shown}", flush=True)
     return results
 
 
@@ -86,7 +100,7 @@ def summarize(results: Dict[str, List[Dict[str, Any]]], skipped: Dict[str, str])
     """Median images/s per peer, min-max, and the per-round ratio to the hand-written loop."""
     base = {r["round"]: r["images_s"] for r in results.get("handwritten", []) if "images_s" in r}
     rows = []
-    for peer in [p for p in PEERS if p in results or p in skipped]:
+    for peer in [p for p in PEERS + EXTRA_PEERS if p in results or p in skipped]:
         if peer in skipped:
             rows.append({"peer": peer, "status": f"skipped: {skipped[peer]}"})
             continue
@@ -151,6 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                           ("--steps", 4), ("--warmup", 1), ("--timeout", 900)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--model", default="resnet18")
+    p.add_argument("--interleave", action="store_true",
+                   help="one job per round, the peers' steps alternating (A B A B)")
     p.add_argument("--output", default="peers-out")
     p.add_argument("--report", metavar="PEERS_JSON", help="re-print the table of a saved run")
     args = p.parse_args(argv)
@@ -158,9 +174,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(reprint(args.report), end="")
         return 0
     wanted = [x.strip() for x in args.peers.split(",") if x.strip()]
-    unknown = sorted(set(wanted) - set(PEERS))
+    unknown = sorted(set(wanted) - set(PEERS + EXTRA_PEERS))
     if unknown:
-        p.error(f"unknown peer(s) {', '.join(unknown)}; valid: {', '.join(PEERS)}")
+        p.error(f"unknown peer(s) {', '.join(unknown)}; valid: "
+                f"{', '.join(PEERS + EXTRA_PEERS)}")
     skipped = {peer: why for peer in wanted if (why := missing(peer))}
     started = time.perf_counter()
     results = rounds(args, [x for x in wanted if x not in skipped])
@@ -172,6 +189,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     env = environment({"model": args.model, "batch_per_rank": args.batch, "nproc": args.nproc,
                        "threads_per_process": args.threads, "steps": args.steps,
                        "warmup": args.warmup, "rounds": args.rounds, "loader_workers": 0,
+                       "interleave": args.interleave,
                        "seconds": round(time.perf_counter() - started, 1)})
     with open(os.path.join(args.output, "peers.md"), "w") as f:
         f.write(f"# Peers: {args.model}, per-rank batch {args.batch}, {args.nproc} processes x "
