@@ -57,11 +57,12 @@ bench: $(VENV)/.plot
 bench-quick: $(VENV)/.plot
 	$(BIN)/ddpkit bench --quick --output bench-out
 
-# The same workload as a hand-written DDP loop, ddpkit, Accelerate and Lightning Fabric,
-# alternated round by round (installs the `peers` extra: accelerate, lightning).
+# The same workload as a hand-written DDP loop, ddpkit, Accelerate and Lightning Fabric, all
+# built in one job per round with their steps alternating (installs the `peers` extra:
+# accelerate, lightning). About 10 minutes on 2 cores.
 peers: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[peers]"
-	$(BIN)/python benchmarks/peers/run_peers.py --rounds 3 --output peers-out
+	$(BIN)/python benchmarks/peers/run_peers.py --interleave --rounds 4 --steps 6 --output peers-out
 
 clean:
 	rm -rf $(VENV) runs bench-out peers-out .pytest_cache

@@ -24,6 +24,14 @@ log "scaling: single-1t vs 2 independent processes vs DDP (4 interleaved rounds)
 log "peers: hand-written DDP, ddpkit, Accelerate, Fabric (rotated order, 3 rounds)"
 "$PY" benchmarks/peers/run_peers.py --rounds 3 --output "$OUT/peers"
 
+log "peers, step-interleaved in one job per round (+ ddpkit without gradient_as_bucket_view)"
+"$PY" benchmarks/peers/run_peers.py --peers handwritten,ddpkit,accelerate,fabric,ddpkit-nobv \
+    --interleave --rounds 4 --steps 6 --output "$OUT/peers-interleaved"
+
+log "peers, A/A control: hand-written vs an identical copy of itself, and ddpkit"
+"$PY" benchmarks/peers/run_peers.py --peers handwritten,ddpkit,handwritten-copy \
+    --interleave --rounds 4 --steps 8 --output "$OUT/peers-control"
+
 log "all-reduce of the ResNet-18 gradient between 2 processes (communication share of a step)"
 "$PY" benchmarks/allreduce_probe.py --repeats 10 | tee "$OUT/allreduce.txt"
 
@@ -34,6 +42,9 @@ if [ "$(id -u)" = 0 ] && command -v ip > /dev/null && command -v tc > /dev/null;
     log "shaped links between 2 network namespaces (tbf), hooks x link speeds"
     "$PY" benchmarks/multinode/shaped_links.py --out "$OUT/shaped" --rounds 2 --steps 3 \
         --hooks none fp16 bf16 powersgd1 powersgd2
+    log "shaped links: the goal's cells only (unshaped vs 100 Mbit/s)"
+    "$PY" benchmarks/multinode/shaped_links.py --out "$OUT/shaped-quiet" --rates unshaped 100mbit \
+        --hooks none bf16 powersgd1 --rounds 2 --steps 3 --accuracy-hooks
 else
     log "shaped links skipped: needs root, ip and tc"
 fi

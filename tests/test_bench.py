@@ -166,4 +166,5 @@ def test_peers_interleaved_smoke(tmp_path):
         (raw,) = saved["raw"][name]
         assert len(raw["step_s"]) == 2 and all(len(r) == 2 for r in raw["step_s"])  # 2 ranks
     assert rows["handwritten"]["ratio"] == 1.0 and rows["ddpkit"]["ratio"] > 0
+    assert rows["ddpkit"]["step_pairs"] == 2 and rows["ddpkit"]["step_ratio"] > 0
     assert (tmp_path / "peers.md").read_text().count("| handwritten |") == 1

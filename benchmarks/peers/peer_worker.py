@@ -140,7 +140,10 @@ def ddpkit_no_bucket_view(args: argparse.Namespace) -> Callable[[], None]:
 
 PEERS: Dict[str, Callable[[argparse.Namespace], Callable[[], None]]] = {
     "handwritten": handwritten, "ddpkit": ddpkit_loop, "accelerate": accelerate_loop,
-    "fabric": fabric_loop, "ddpkit-nobv": ddpkit_no_bucket_view}
+    "fabric": fabric_loop, "ddpkit-nobv": ddpkit_no_bucket_view,
+    # A/A control: a second, identical hand-written loop. Its ratio to "handwritten" is the
+    # measurement's own noise floor, the yardstick for any other peer's difference.
+    "handwritten-copy": handwritten}
 
 
 def _timed(step: Callable[[], None], warmup: int, steps: int) -> Dict[str, List[float]]:

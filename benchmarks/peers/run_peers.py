@@ -22,12 +22,13 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ddpkit.bench_env import environment
-from ddpkit.bench_report import cpu_share, median, repeat_figures
+from ddpkit.bench_report import cpu_share, median, percentile, repeat_figures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ("handwritten", "ddpkit", "accelerate", "fabric")
-#: Not in the default set: ddpkit with DDP's default gradient_as_bucket_view=False (diagnostic).
-EXTRA_PEERS = ("ddpkit-nobv",)
+#: Not in the default set: ddpkit with DDP's default gradient_as_bucket_view=False (diagnostic),
+#: and a second identical hand-written loop (A/A control: the noise floor of the ratios).
+EXTRA_PEERS = ("ddpkit-nobv", "handwritten-copy")
 NEEDS = {"accelerate": ("accelerate", "pip install accelerate"),
          "fabric": ("lightning", "pip install lightning")}
 
@@ -96,8 +97,31 @@ def rounds(args: argparse.Namespace, peers: List[str]) -> Dict[str, List[Dict[st
     return results
 
 
-def summarize(results: Dict[str, List[Dict[str, Any]]], skipped: Dict[str, str]) -> List[Dict]:
-    """Median images/s per peer, min-max, and the per-round ratio to the hand-written loop."""
+def step_ratios(base: List[Dict[str, Any]], other: List[Dict[str, Any]]) -> List[float]:
+    """Hand-written step time / peer step time, step by step within each round (slowest rank
+    per step). Only meaningful for ``--interleave`` runs, where step i of every peer ran in the
+    same few seconds; > 1 means the peer was faster.
+
+    Example::
+
+        step_ratios([{"round": 0, "step_s": [[2.0, 4.0]]}], [{"round": 0, "step_s": [[2.0, 5.0]]}])
+        # [1.0, 0.8]
+    """
+    by_round = {r["round"]: r for r in base if "step_s" in r}
+    out: List[float] = []
+    for rec in other:
+        ref = by_round.get(rec["round"])
+        if ref is None or "step_s" not in rec:
+            continue
+        mine, theirs = ([max(t) for t in zip(*r["step_s"])] for r in (rec, ref))
+        out += [b / a for a, b in zip(mine, theirs)]
+    return out
+
+
+def summarize(results: Dict[str, List[Dict[str, Any]]], skipped: Dict[str, str],
+              interleaved: bool = False) -> List[Dict]:
+    """Median images/s per peer, min-max, and the per-round ratio to the hand-written loop
+    (and, for interleaved runs, the step-by-step ratio: median and interquartile range)."""
     base = {r["round"]: r["images_s"] for r in results.get("handwritten", []) if "images_s" in r}
     rows = []
     for peer in [p for p in PEERS + EXTRA_PEERS if p in results or p in skipped]:
@@ -121,6 +145,10 @@ def summarize(results: Dict[str, List[Dict[str, Any]]], skipped: Dict[str, str])
                        rounds=len(ok), cpu_share=median([r.get("cpu_share", 0.0) for r in ok]),
                        ratio_per_cpu=median(per_cpu) if per_cpu else None,
                        ratio_per_cpu_range=[min(per_cpu), max(per_cpu)] if per_cpu else None)
+            steps = step_ratios(results.get("handwritten", []), ok) if interleaved else []
+            if steps:
+                row.update(step_ratio=median(steps), step_ratio_iqr=[
+                    percentile(steps, 25), percentile(steps, 75)], step_pairs=len(steps))
         rows.append(row)
     return rows
 
@@ -132,17 +160,23 @@ def _ratio(value: Optional[float], span: Optional[List[float]]) -> str:
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    """Markdown: images/s, ratio to hand-written raw and per CPU second, CPU share, status."""
+    """Markdown: images/s, ratio to hand-written raw and per CPU second, CPU share, status;
+    for interleaved runs also the step-paired ratio (median and IQR)."""
+    by_step = any("step_ratio" in r for r in rows)
     lines = ["| peer | images/s (min-max) | x hand-written, paired by round (min-max) | "
-             "CPU share | x hand-written per CPU second (min-max) | status |",
-             "|---|---|---|---|---|---|"]
+             + ("x hand-written, paired by step: median (IQR) | " if by_step else "")
+             + "CPU share | x hand-written per CPU second (min-max) | status |",
+             "|---|---|---|---|---|---|" + ("---|" if by_step else "")]
     for r in rows:
         if "images_s" not in r:
-            lines.append(f"| {r['peer']} | - | - | - | - | {r['status']} |")
+            lines.append(f"| {r['peer']} | - | - | " + ("- | " if by_step else "")
+                         + f"- | - | {r['status']} |")
             continue
         lo, hi = r["images_s_range"]
+        step = (f"{_ratio(r.get('step_ratio'), r.get('step_ratio_iqr'))} "
+                f"[{r.get('step_pairs', 0)} pairs] | " if by_step else "")
         lines.append(f"| {r['peer']} | {r['images_s']:.1f} ({lo:.1f}-{hi:.1f}) | "
-                     f"{_ratio(r['ratio'], r['ratio_range'])} | {r['cpu_share']:.2f} | "
+                     f"{_ratio(r['ratio'], r['ratio_range'])} | {step}{r['cpu_share']:.2f} | "
                      f"{_ratio(r['ratio_per_cpu'], r['ratio_per_cpu_range'])} | "
                      f"{r['status']} ({r['rounds']} rounds) |")
     return "\n".join(lines) + "\n"
@@ -154,7 +188,8 @@ def reprint(path: str) -> str:
         saved = json.load(f)
     skipped = {r["peer"]: r["status"][len("skipped: "):] for r in saved["summary"]
                if r["status"].startswith("skipped")}
-    return table([r for r in summarize(saved["raw"], skipped)
+    interleaved = bool(saved.get("environment", {}).get("interleave"))
+    return table([r for r in summarize(saved["raw"], skipped, interleaved)
                   if r["peer"] in saved["raw"] or r["peer"] in skipped])
 
 
@@ -181,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     skipped = {peer: why for peer in wanted if (why := missing(peer))}
     started = time.perf_counter()
     results = rounds(args, [x for x in wanted if x not in skipped])
-    rows = summarize(results, skipped)
+    rows = summarize(results, skipped, args.interleave)
     rows = [r for r in rows if r["peer"] in wanted]
     text = table(rows)
     print("\n" + text, end="")
