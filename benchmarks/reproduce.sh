@@ -32,6 +32,12 @@ log "peers, A/A control: hand-written vs an identical copy of itself, and ddpkit
 "$PY" benchmarks/peers/run_peers.py --peers handwritten,ddpkit,handwritten-copy \
     --interleave --rounds 4 --steps 8 --output "$OUT/peers-control"
 
+log "where a step's time goes: hand-written vs ddpkit, alternating, both build orders"
+"$PY" -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/peers/components.py \
+    --steps 12 | tee "$OUT/components.txt"
+"$PY" -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/peers/components.py \
+    --steps 12 --ddpkit-first | tee -a "$OUT/components.txt"
+
 log "all-reduce of the ResNet-18 gradient between 2 processes (communication share of a step)"
 "$PY" benchmarks/allreduce_probe.py --repeats 10 | tee "$OUT/allreduce.txt"
 
