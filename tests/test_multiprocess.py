@@ -1,4 +1,7 @@
 """Behaviour across ranks with real processes (gloo on CPU) started by ddpkit.launch."""
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -6,7 +9,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.launchers import LaunchError
+from ddpkit.launchers import LaunchError, free_port
 
 import rankfns
 

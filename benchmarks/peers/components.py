@@ -19,60 +19,27 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_worker as pw  # noqa: E402  (same model, data and hyper-parameters as the peers)
 
-Split = Tuple[float, float, float, float]
+Split = Tuple[float, ...]
 PARTS = ("data", "forward", "backward", "optimizer")
 
 
-def handwritten(args: argparse.Namespace) -> Callable[[], Split]:
-    model = nn.parallel.DistributedDataParallel(pw._model(args))
-    opt = torch.optim.SGD(model.parameters(), lr=pw.LR, momentum=pw.MOMENTUM)
-    data = pw._data(args)
-    sampler = DistributedSampler(data, shuffle=True, seed=pw.SEED, drop_last=True)
-    batches = iter(DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True))
+def split_step(build: Callable[..., Callable[[], None]],
+               args: argparse.Namespace) -> Callable[[], Split]:
+    """One of peer_worker's loops (the very code the peers measure), its step cut into PARTS at
+    the phase marks it records."""
+    marks: List[float] = []
+    step = build(args, marks=marks)
 
-    def step() -> Split:
-        t0 = time.perf_counter()
-        x, y = next(batches)
-        t1 = time.perf_counter()
-        loss = nn.functional.cross_entropy(model(x), y)
-        t2 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        t3 = time.perf_counter()
-        opt.step()
-        return t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3
-    return step
-
-
-def ddpkit_loop(args: argparse.Namespace) -> Callable[[], Split]:
-    import ddpkit
-    rt = ddpkit.setup(seed=pw.SEED)
-    torch.set_num_threads(args.threads)
-    model = rt.wrap(pw._model(args))
-    opt = torch.optim.SGD(model.parameters(), lr=pw.LR, momentum=pw.MOMENTUM)
-    loader = rt.loader(pw._data(args), batch_size=args.batch * rt.world_size, seed=pw.SEED,
-                       drop_last=True)
-    acc = ddpkit.Accumulator(model, opt, ddpkit.Precision("fp32", rt.device))
-    batches = iter(loader)
-
-    def step() -> Split:
-        t0 = time.perf_counter()
-        x, y = rt.to_device(*next(batches))
-        t1 = time.perf_counter()
-        with acc.micro_step():
-            with acc.precision.autocast():
-                loss = nn.functional.cross_entropy(model(x), y)
-            t2 = time.perf_counter()
-            acc.backward(loss)
-            t3 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3  # optimizer: on exit
-    return step
+    def timed() -> Split:
+        marks[:] = [time.perf_counter()]
+        step()
+        marks.append(time.perf_counter())
+        return tuple(b - a for a, b in zip(marks, marks[1:]))
+    return timed
 
 
 def main() -> None:
@@ -85,10 +52,13 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
-    builders = [("ddpkit", ddpkit_loop), ("handwritten", handwritten)]
+    builders = [("ddpkit", pw.ddpkit_loop), ("handwritten", pw.handwritten)]
     if not args.ddpkit_first:
         builders.reverse()
-    steps = {name: build(args) for name, build in builders}
+    steps = {}
+    for name, build in builders:
+        steps[name] = split_step(build, args)
+        torch.set_num_threads(args.threads)  # ddpkit.setup may have chosen its own
     names = list(steps)
     splits: Dict[str, List[Split]] = {n: [] for n in names}
     for i in range(args.steps + 1):  # the first pair is warm-up (DDP rebuilds its buckets)

@@ -13,7 +13,7 @@ import json
 import os
 import resource
 import time
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,14 @@ def _epochs(make_pass: Callable[[int], Iterator[Any]]) -> Iterator[Any]:
         epoch += 1
 
 
-def handwritten(args: argparse.Namespace) -> Callable[[], None]:
+def _mark(marks: Optional[List[float]]) -> None:
+    """Phase boundary inside a step (after data, forward, backward), for components.py."""
+    if marks is not None:
+        marks.append(time.perf_counter())
+
+
+def handwritten(args: argparse.Namespace,
+                marks: Optional[List[float]] = None) -> Callable[[], None]:
     """The tutorials' DDP loop in plain PyTorch: init_process_group, DDP, DistributedSampler."""
     if not dist.is_initialized():  # (interleaved with other peers, one of them may have)
         dist.init_process_group("gloo")  # env:// from torchrun
@@ -59,14 +66,18 @@ def handwritten(args: argparse.Namespace) -> Callable[[], None]:
 
     def step() -> None:
         x, y = next(batches)
+        _mark(marks)
         loss = nn.functional.cross_entropy(model(x), y)
+        _mark(marks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        _mark(marks)
         opt.step()
     return step
 
 
-def ddpkit_loop(args: argparse.Namespace, **wrap_options: Any) -> Callable[[], None]:
+def ddpkit_loop(args: argparse.Namespace, marks: Optional[List[float]] = None,
+                **wrap_options: Any) -> Callable[[], None]:
     """The ddpkit path users write: setup, rt.wrap, rt.loader, Accumulator, Precision."""
     import ddpkit
     rt = ddpkit.setup(seed=SEED)
@@ -80,10 +91,13 @@ def ddpkit_loop(args: argparse.Namespace, **wrap_options: Any) -> Callable[[], N
 
     def step() -> None:
         x, y = rt.to_device(*next(batches))
-        with acc.micro_step():
+        _mark(marks)
+        with acc.micro_step():  # the optimizer steps when it exits
             with acc.precision.autocast():
                 loss = nn.functional.cross_entropy(model(x), y)
+            _mark(marks)
             acc.backward(loss)
+            _mark(marks)
     return step
 
 
@@ -146,22 +160,11 @@ PEERS: Dict[str, Callable[[argparse.Namespace], Callable[[], None]]] = {
     "handwritten-copy": handwritten}
 
 
-def _timed(step: Callable[[], None], warmup: int, steps: int) -> Dict[str, List[float]]:
-    wall: List[float] = []
-    cpu: List[float] = []
-    for i in range(warmup + steps):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        step()  # CPU: the work is done when optimizer.step returns
-        if i >= warmup:
-            wall.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-    return {"step_s": wall, "cpu_s": cpu}
-
-
-def _timed_interleaved(steps_by_peer: Dict[str, Callable[[], None]], warmup: int,
-                       steps: int) -> Dict[str, Dict[str, List[float]]]:
-    """Every peer's steps alternating: warm-up each, then rounds A B, B A, ... (same on all ranks,
-    so the collectives of the ranks match)."""
+def _timed(steps_by_peer: Dict[str, Callable[[], None]], warmup: int,
+           steps: int) -> Dict[str, Dict[str, List[float]]]:
+    """Wall and CPU seconds per step, warm-up excluded. With several peers their steps alternate:
+    warm-up each, then A B C, B C A, ... (same order on all ranks, so their collectives match).
+    CPU: the work is done when optimizer.step returns."""
     names = list(steps_by_peer)
     for _ in range(warmup):
         for name in names:
@@ -191,14 +194,11 @@ def main() -> None:
     if unknown:
         p.error(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
     torch.set_num_threads(args.threads)
-    steps = {}
+    steps: Dict[str, Callable[[], None]] = {}
     for name in names:
         steps[name] = PEERS[name](args)
         torch.set_num_threads(args.threads)  # again: a framework may have changed it on set-up
-    if len(names) == 1:
-        timed = {names[0]: _timed(steps[names[0]], args.warmup, args.steps)}
-    else:
-        timed = _timed_interleaved(steps, args.warmup, args.steps)
+    timed = _timed(steps, args.warmup, args.steps)
     extra = {"threads": torch.get_num_threads(),
              "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     ranks: List[Any] = [None] * dist.get_world_size()

@@ -29,6 +29,7 @@ PEERS = ("handwritten", "ddpkit", "accelerate", "fabric")
 #: Not in the default set: ddpkit with DDP's default gradient_as_bucket_view=False (diagnostic),
 #: and a second identical hand-written loop (A/A control: the noise floor of the ratios).
 EXTRA_PEERS = ("ddpkit-nobv", "handwritten-copy")
+ALL_PEERS = PEERS + EXTRA_PEERS
 NEEDS = {"accelerate": ("accelerate", "pip install accelerate"),
          "fabric": ("lightning", "pip install lightning")}
 
@@ -124,7 +125,7 @@ def summarize(results: Dict[str, List[Dict[str, Any]]], skipped: Dict[str, str],
     (and, for interleaved runs, the step-by-step ratio: median and interquartile range)."""
     base = {r["round"]: r["images_s"] for r in results.get("handwritten", []) if "images_s" in r}
     rows = []
-    for peer in [p for p in PEERS + EXTRA_PEERS if p in results or p in skipped]:
+    for peer in [p for p in ALL_PEERS if p in results or p in skipped]:
         if peer in skipped:
             rows.append({"peer": peer, "status": f"skipped: {skipped[peer]}"})
             continue
@@ -209,10 +210,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(reprint(args.report), end="")
         return 0
     wanted = [x.strip() for x in args.peers.split(",") if x.strip()]
-    unknown = sorted(set(wanted) - set(PEERS + EXTRA_PEERS))
+    unknown = sorted(set(wanted) - set(ALL_PEERS))
     if unknown:
         p.error(f"unknown peer(s) {', '.join(unknown)}; valid: "
-                f"{', '.join(PEERS + EXTRA_PEERS)}")
+                f"{', '.join(ALL_PEERS)}")
     skipped = {peer: why for peer in wanted if (why := missing(peer))}
     started = time.perf_counter()
     results = rounds(args, [x for x in wanted if x not in skipped])

@@ -148,14 +148,9 @@ def init_process_group(env: ClusterEnv, device: torch.device, backend: Optional[
     return resolved
 
 
-_EXIT_HANDLER_REGISTERED = False
-
-
 def _register_exit_handler() -> None:
-    global _EXIT_HANDLER_REGISTERED
-    if not _EXIT_HANDLER_REGISTERED:
-        atexit.register(_shutdown_at_exit)
-        _EXIT_HANDLER_REGISTERED = True
+    atexit.unregister(_shutdown_at_exit)  # once per process, however often a group is created
+    atexit.register(_shutdown_at_exit)
 
 
 def _shutdown_at_exit(grace: float = 0.2) -> None:
