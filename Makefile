@@ -21,10 +21,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed
 	$(BIN)/ddpkit train --output runs/demo
 
-# The whole suite, multi-node tests included (they need root and `ip netns`; without them they
+# The layering contracts (pyproject.toml, import-linter), then the whole suite, multi-node tests included (they need root and `ip netns`; without them they
 # skip, with the reason in the summary). pytest exits 5 when it collected nothing: that must
 # fail, not pass silently.
 test: $(VENV)/.installed $(VENV)/.horovod
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

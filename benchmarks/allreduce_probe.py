@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.bench_report import median, percentile
-from ddpkit.models import build_model
+from ddpkit.bench.report import median, percentile
+from ddpkit.job.models import build_model
 
 
 def _timed(fn: Any, repeats: int) -> List[float]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ddpkit.checkpoint import load_checkpoint, save_checkpoint
-from ddpkit.models import resnet18
+from ddpkit.job.models import resnet18
 from ddpkit.seed import rng_state
 
 

@@ -44,10 +44,10 @@ def main():
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        rt.print(f"epoch {epoch}: last loss {loss.item():.4f}")
+        rt.print0(f"epoch {epoch}: last loss {loss.item():.4f}")
 
     result = rt.evaluate(model, test_set)                            # 5: exact, all ranks
-    rt.print(f"test accuracy {result['top1']:.2f}% on {result['count']} samples")
+    rt.print0(f"test accuracy {result['top1']:.2f}% on {result['count']} samples")
     if rt.is_main:
         torch.save(rt.unwrap(model).state_dict(), args.out)
 

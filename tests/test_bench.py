@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ddpkit.bench import ROWS, BenchConfig, parse_rows, plan_row, skip_reason
-from ddpkit.bench_report import (cpu_share, efficiency, median, percentile, render_table,
+from ddpkit.bench.report import (cpu_share, efficiency, median, percentile, render_table,
                                  repeat_figures, summarize)
 from ddpkit.errors import ConfigError
 

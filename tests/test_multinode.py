@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from ddpkit import net
+from ddpkit.launch import network as net
+from ddpkit.launch import watchdog
 
 import resume_script
 from netns import Cluster, available
@@ -152,7 +153,7 @@ def test_two_nodes_by_one_process_train_bitwise_like_one_node_by_two(tmp_path, r
 # ----------------------------------------------------------------------------- restart
 
 def test_link_down_then_up_restarts_from_the_latest_checkpoint(tmp_path, reference):
-    """Hostnames resolving to loopback (hostnames=False), as on many clusters: ddpkit.net finds
+    """Hostnames resolving to loopback (hostnames=False), as on many clusters: ddpkit.launch.network finds
     the interface and address itself. The out dir is shared, like a cluster file system."""
     shared = str(tmp_path / "shared")
     os.makedirs(shared)
@@ -220,7 +221,7 @@ def _kill_launcher(tmp):
         launcher = c.procs[1].pid
         with open(f"/proc/{launcher}/cmdline", "rb") as f:
             assert b"ddpkit" in f.read(), "the node's process is not the launcher itself"
-        workers = list(net.children(launcher))
+        workers = list(watchdog.children(launcher))
         assert workers, "node 1's launcher has no worker"
         cut = time.monotonic()
         os.kill(launcher, signal.SIGKILL)

@@ -181,11 +181,11 @@ def test_fp16_on_cuda_creates_a_grad_scaler():
 
 
 def test_bf16_on_a_cpu_without_native_bf16_warns_once_clearly(monkeypatch):
-    from ddpkit import bench_env
-    monkeypatch.setattr(bench_env, "cpu_info", lambda: {"model": "x", "flags": ["avx2", "fma"]})
+    from ddpkit import machine
+    monkeypatch.setattr(machine, "cpu_info", lambda: {"model": "x", "flags": ["avx2", "fma"]})
     with pytest.warns(UserWarning, match=r"^bf16 on this CPU is emulated .* use --precision fp32"):
         Precision("bf16", CPU)
-    monkeypatch.setattr(bench_env, "cpu_info", lambda: {"model": "x", "flags": ["amx_bf16"]})
+    monkeypatch.setattr(machine, "cpu_info", lambda: {"model": "x", "flags": ["amx_bf16"]})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Precision("bf16", CPU)   # native bf16: no warning

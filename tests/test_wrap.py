@@ -8,7 +8,9 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ddpkit.env import ClusterEnv
 from ddpkit.errors import ConfigError
-from ddpkit.wrap import STRATEGIES, WrapOptions, _register_comm_hook, unwrap, wrap_model
+from ddpkit.engines import STRATEGIES, wrap_model
+from ddpkit.engines.ddp import register_comm_hook as _register_comm_hook
+from ddpkit.wrap import WrapOptions, unwrap
 
 CPU = torch.device("cpu")
 

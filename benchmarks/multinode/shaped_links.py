@@ -30,7 +30,7 @@ PER_RANK_BATCH = 64
 
 # ----------------------------------------------------------------------------- comm hooks
 
-from ddpkit.wrap import bf16_compress_any_backend as bf16_any_backend_hook  # noqa: E402
+from ddpkit.engines.ddp import bf16_compress_any_backend as bf16_any_backend_hook  # noqa: E402
 
 
 def register_hook(model: nn.Module, name: str, start_iter: int = 2) -> None:
@@ -97,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank: a DDP model per hook (built once, unshaped), then rounds over link speeds and
     hooks, interleaved so that load from other jobs on the machine hits every cell alike."""
     import ddpkit
-    from ddpkit.models import resnet18
+    from ddpkit.job.models import resnet18
 
     torch.set_num_threads(1)
     rt = ddpkit.setup()
@@ -124,7 +124,7 @@ def worker(args: argparse.Namespace) -> None:
                 synced, local = _cell(*models[hook], x, y, args)
                 times[rate][hook]["synced"] += synced
                 times[rate][hook]["local"] += local
-                rt.print(f"round {round_} {rate} {hook}: synced "
+                rt.print0(f"round {round_} {rate} {hook}: synced "
                          + " ".join(f"{t:.2f}" for t in synced) + " | no-sync "
                          + " ".join(f"{t:.2f}" for t in local))
     if rt.is_main:
@@ -209,8 +209,8 @@ def throughput_table(rows: List[Dict[str, Any]]) -> str:
 def accuracy_worker(hook: str, seed: int, epochs: int) -> float:
     """small_cnn on the embedded digits, 2 ranks, global batch 64: test top-1 after ``epochs``."""
     import ddpkit
-    from ddpkit.datasets import digits
-    from ddpkit.models import build_model
+    from ddpkit.job.datasets import digits
+    from ddpkit.job.models import build_model
 
     torch.set_num_threads(1)
     rt = ddpkit.setup(seed=seed)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit.datasets import synthetic
-from ddpkit.models import build_model
+from ddpkit.job.datasets import synthetic
+from ddpkit.job.models import build_model
 
 LR, MOMENTUM, SEED = 0.1, 0.9, 0
 

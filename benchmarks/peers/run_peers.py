@@ -21,8 +21,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from ddpkit.bench_env import environment
-from ddpkit.bench_report import cpu_share, median, percentile, repeat_figures
+from ddpkit.bench.environment import environment
+from ddpkit.bench.report import cpu_share, median, percentile, repeat_figures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ("handwritten", "ddpkit", "accelerate", "fabric")

@@ -7,27 +7,34 @@ Five lines make a plain script data-parallel under torchrun, Slurm, spawn or a s
     model = rt.wrap(Net())
     loader = rt.loader(train_set, batch_size=256)      # global batch; set_epoch is automatic
     metrics = rt.evaluate(model, test_set)             # exact: no padding duplicates
+
+The core a script imports lives here, one job per module (env, dist, comm, wrap, precision,
+accumulate, data, evaluate, checkpoint, loop, ...); the engines in :mod:`ddpkit.engines`; the
+products above it in :mod:`ddpkit.launch`, :mod:`ddpkit.job`, :mod:`ddpkit.bench`, :mod:`ddpkit.cli`.
 """
 from __future__ import annotations
 
 from .accumulate import Accumulator
-from .comm import barrier, broadcast_object, gather_object, is_main, main_process_first, print0, reduce
-from .data import DistributedLoader, make_loader
-from .env import ClusterEnv, detect
 from .errors import ConfigError, DDPKitError
 from .evaluate import evaluate
-from .launchers import launch
-from .loop import CheckpointPolicy, Hook, fit
+from .launch.spawn import launch
+from .loop import CheckpointPolicy, FitConfig, Hook, fit
 from .precision import Precision
 from .runtime import Runtime, setup
-from .seed import seed_everything
 from .wrap import unwrap
 
-__version__ = "0.1.0"
+# Also importable from here, as before the API was narrowed; their home (and documentation) is
+# the module named: rank utilities in ddpkit.comm (also methods of Runtime), loaders in
+# ddpkit.data, the cluster environment in ddpkit.env, seeding in ddpkit.seed.
+from .comm import (barrier, broadcast_object, gather_object, is_main,  # noqa: F401  isort: skip
+                   main_process_first, print0, reduce)
+from .data import DistributedLoader, make_loader  # noqa: F401  isort: skip
+from .env import ClusterEnv, detect  # noqa: F401  isort: skip
+from .seed import seed_everything  # noqa: F401  isort: skip
+
+from .version import __version__  # noqa: E402  isort: skip
 
 __all__ = [
-    "Accumulator", "CheckpointPolicy", "ClusterEnv", "ConfigError", "DDPKitError", "DistributedLoader", "Precision",
-    "Runtime", "barrier", "broadcast_object", "detect", "evaluate", "fit", "gather_object", "Hook", "is_main",
-    "launch", "main_process_first", "make_loader", "print0", "reduce", "seed_everything",
-    "setup", "unwrap", "__version__",
+    "setup", "Runtime", "launch", "fit", "FitConfig", "CheckpointPolicy", "Hook", "Precision",
+    "Accumulator", "evaluate", "unwrap", "DDPKitError", "ConfigError", "__version__",
 ]

@@ -1,17 +1,17 @@
 """Gradient accumulation: K micro-batches, one all-reduce, one optimizer step.
 
-On non-final micro-steps the forward *and* backward run inside DDP's ``no_sync``, so gradients
-accumulate locally and are reduced once, on the boundary.
+On non-final micro-steps the forward *and* backward run inside the engine's ``no_sync`` (DDP's),
+so gradients accumulate locally and are reduced once, on the boundary.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from .engines import Engine, active
 from .errors import ConfigError
 from .precision import Precision
 
@@ -35,10 +35,14 @@ class Accumulator:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  precision: Optional[Precision] = None, steps: int = 1,
-                 clip_norm: Optional[float] = None, skip_nonfinite: bool = False) -> None:
+                 clip_norm: Optional[float] = None, skip_nonfinite: bool = False,
+                 engine: Optional[Engine] = None) -> None:
         if steps < 1:
             raise ConfigError(f"accumulation steps must be >= 1, got {steps}")
         self.model, self.optimizer, self.steps = model, optimizer, steps
+        # The engine knows how to skip the all-reduce (DDP's no_sync) and when gradients are
+        # averaged (Horovod: inside its optimizer); by default the one serving this process.
+        self.engine = engine or active()
         self.precision = precision or Precision("fp32")
         self.clip_norm = clip_norm
         self.skip_nonfinite = skip_nonfinite
@@ -59,14 +63,12 @@ class Accumulator:
         ``last=True`` forces a step (end of epoch) so no gradients leak into the next epoch.
         """
         boundary = self.is_boundary(last)
-        sync = (self.model.no_sync() if not boundary and isinstance(
-            self.model, DistributedDataParallel) else contextlib.nullcontext())
-        with sync:
+        with self.engine.no_sync(self.model) if not boundary else contextlib.nullcontext():
             yield
         self.micro += 1
         self.stepped = boundary
         if boundary:
-            with self._synchronized():
+            with self.engine.synchronized(self.optimizer):
                 if (self.skip_nonfinite and self.precision.scaler is None
                         and not self._grads_finite()):
                     self.skipped_steps += 1   # gradients are all-reduced: every rank agrees
@@ -76,14 +78,6 @@ class Accumulator:
             self.optimizer.zero_grad()  # set_to_none is the default (and Horovod takes no args)
             self.optimizer_steps += 1
             self.micro = 0
-
-    def _synchronized(self) -> Any:
-        # Horovod's DistributedOptimizer averages inside step(); clipping, the finite check and
-        # GradScaler's unscale must see averaged gradients, so average first, then step without.
-        if hasattr(self.optimizer, "skip_synchronize"):
-            self.optimizer.synchronize()
-            return self.optimizer.skip_synchronize()
-        return contextlib.nullcontext()
 
     def _grads_finite(self) -> bool:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -368,7 +368,7 @@ def checkpoint_metadata() -> Dict[str, Any]:
 
         state["meta"] = checkpoint_metadata()   # {'ddpkit': '0.1.0', 'torch': ..., 'format': 1}
     """
-    from . import __version__  # lazy: ddpkit/__init__.py may import this module
+    from .version import __version__
 
     # str(): torch.__version__ is a TorchVersion, which the weights_only loader refuses.
     return {"ddpkit": __version__, "torch": str(torch.__version__), "format": FORMAT_VERSION}

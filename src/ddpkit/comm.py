@@ -1,7 +1,8 @@
 """Rank utilities that work the same with one process or many: reduce, gather, print on rank 0.
 
-Each function falls back to the single-process answer when no process group exists, so user code
-never needs an ``if distributed:`` branch.
+Each function asks the engine that serves this process (:func:`ddpkit.engines.active`) and falls
+back to the single-process answer when there is no group, so user code never needs an
+``if distributed:`` branch.
 """
 from __future__ import annotations
 
@@ -11,26 +12,14 @@ import warnings
 from typing import Any, Iterator, List, Union
 
 import torch
-import torch.distributed as tdist
+
+from .engines import active
+from .engines.base import REDUCE_OPS
 
 __all__ = ["rank", "world_size", "is_main", "barrier", "reduce", "gather_object",
            "broadcast_object", "print0", "main_process_first", "install_rank_warnings"]
 
 Number = Union[int, float]
-_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN,
-        "mean": tdist.ReduceOp.SUM}
-
-
-def _hvd() -> Any:
-    # Horovod's module when the Horovod engine runs this process (ddpkit.horovod_engine), else None.
-    from . import horovod_engine
-    if horovod_engine.is_active() and horovod_engine.hvd().size() > 1:
-        return horovod_engine.hvd()
-    return None
-
-
-def _active() -> bool:
-    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
 
 
 def rank() -> int:
@@ -40,10 +29,7 @@ def rank() -> int:
 
         if rank() == 0: ...
     """
-    h = _hvd()
-    if h is not None:
-        return h.rank()
-    return tdist.get_rank() if _active() else 0
+    return active().rank()
 
 
 def world_size() -> int:
@@ -53,10 +39,7 @@ def world_size() -> int:
 
         per_rank = global_batch // world_size()
     """
-    h = _hvd()
-    if h is not None:
-        return h.size()
-    return tdist.get_world_size() if _active() else 1
+    return active().world_size()
 
 
 def is_main() -> bool:
@@ -77,18 +60,7 @@ def barrier() -> None:
 
         barrier()
     """
-    h = _hvd()
-    if h is not None:
-        h.barrier()
-    elif _active():
-        tdist.barrier()
-
-
-def _comm_device() -> torch.device:
-    # NCCL only reduces CUDA tensors; gloo reduces CPU tensors.
-    if _active() and tdist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    active().barrier()
 
 
 def reduce(value: Union[torch.Tensor, Number], op: str = "sum") -> Union[torch.Tensor, Number]:
@@ -102,30 +74,11 @@ def reduce(value: Union[torch.Tensor, Number], op: str = "sum") -> Union[torch.T
         total = reduce(torch.tensor([loss_sum, count]), "sum")
         slowest = reduce(step_seconds, "max")
     """
-    if op not in _OPS:
-        raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(_OPS)}")
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
     is_tensor = isinstance(value, torch.Tensor)
     tensor = value if is_tensor else torch.tensor(value, dtype=torch.float64)
-    h = _hvd()
-    if h is not None:
-        work = tensor.detach().to("cpu", copy=True)
-        if work.dtype in (torch.float16, torch.bfloat16):
-            work = work.float()
-        hop = {"sum": h.Sum, "mean": h.Sum, "max": h.Max, "min": h.Min}[op]
-        work = h.allreduce(work, op=hop, name=None)
-        if op == "mean":
-            work = work / world_size()
-        tensor = work.to(value.device if is_tensor else "cpu", dtype=tensor.dtype)
-    elif _active():
-        work = tensor.detach().to(_comm_device(), copy=True)
-        if work.dtype in (torch.float16, torch.bfloat16):
-            work = work.float()  # gloo cannot reduce half types; sums need the precision anyway
-        tdist.all_reduce(work, op=_OPS[op])
-        if op == "mean":
-            work = work / world_size()
-        tensor = work.to(value.device if is_tensor else "cpu", dtype=tensor.dtype)
-    elif op == "mean" and is_tensor:
-        tensor = tensor.clone()
+    tensor = active().all_reduce(tensor, op)
     if is_tensor:
         return tensor
     out = tensor.item()
@@ -141,14 +94,7 @@ def gather_object(obj: Any) -> List[Any]:
 
         counts = gather_object(len(my_shard))   # [n0, n1, ...]
     """
-    h = _hvd()
-    if h is not None:
-        return list(h.allgather_object(obj))
-    if not _active():
-        return [obj]
-    out: List[Any] = [None] * world_size()
-    tdist.all_gather_object(out, obj)
-    return out
+    return active().all_gather_object(obj)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -158,14 +104,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
         run_dir = broadcast_object(make_run_dir() if is_main() else None)
     """
-    h = _hvd()
-    if h is not None:
-        return h.broadcast_object(obj, root_rank=src)
-    if not _active():
-        return obj
-    box = [obj]
-    tdist.broadcast_object_list(box, src=src)
-    return box[0]
+    return active().broadcast_object(obj, src)
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from .errors import ConfigError
-from .slurm import first_host, parse_tasks_per_node, port_from_job_id
+from .slurm_env import first_host, parse_tasks_per_node, port_from_job_id
 
 __all__ = ["ClusterEnv", "detect", "spawn_env", "to_environ"]
 

@@ -5,6 +5,7 @@ precision, scheduler, logger, hooks) that users can also drive by hand.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from .runtime import Runtime
 from .seed import rng_state, set_rng_state
 from .wrap import unwrap
 
-__all__ = ["TrainState", "CheckpointPolicy", "Hook", "fit"]
+__all__ = ["TrainState", "CheckpointPolicy", "FitConfig", "Hook", "fit"]
 
 
 @dataclass
@@ -61,6 +62,48 @@ class CheckpointPolicy:
     resume: Optional[str] = None
 
 
+@dataclass
+class FitConfig:
+    """How :func:`fit` trains: epochs, loss, precision, accumulation, schedule, evaluation,
+    logging, checkpoints, hooks. ``ddpkit train``'s :class:`~ddpkit.job.config.TrainConfig`
+    maps onto it.
+
+    Example::
+
+        FitConfig(epochs=5, precision=Precision("bf16"), accum_steps=2, eval_data=test_set,
+                  checkpoint=CheckpointPolicy("runs/exp1/checkpoints", resume="auto"))
+    """
+
+    epochs: int
+    loss_fn: Optional[Callable[..., torch.Tensor]] = None  # default: cross-entropy
+    precision: Optional[Precision] = None                  # default: fp32 on the rank's device
+    accum_steps: int = 1
+    clip_norm: Optional[float] = None
+    scheduler: Any = None
+    scheduler_interval: str = "epoch"                      # or "step"
+    eval_data: Any = None
+    eval_every: int = 1
+    eval_batch_size: int = 256
+    monitor: str = "top1"                                  # eval metric that picks the best epoch
+    logger: Optional[RunLogger] = None
+    checkpoint: Optional[CheckpointPolicy] = None
+    hooks: Sequence["Hook"] = ()
+    max_steps: Optional[int] = None
+    skip_nonfinite: bool = False
+    channels_last: bool = False
+    log_every: int = 20
+    progress: bool = True
+    config: Optional[Dict[str, Any]] = None                # stored in checkpoints
+
+    def __post_init__(self) -> None:
+        if self.scheduler_interval not in ("step", "epoch"):
+            raise DDPKitError("scheduler_interval must be 'step' or 'epoch', not "
+                              f"{self.scheduler_interval!r}")
+        self.hooks = list(self.hooks)
+        self.log_every = max(1, self.log_every)
+        self.config = dict(self.config or {})
+
+
 class Hook:
     """Override any of these to observe or extend the loop; ``loop`` is the running fit.
 
@@ -82,17 +125,17 @@ class _Fit:
     """One call of :func:`fit`: the state and the steps of the loop, kept out of the user's way."""
 
     def __init__(self, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loader: DistributedLoader, opts: Dict[str, Any]) -> None:
+                 loader: DistributedLoader, cfg: FitConfig) -> None:
         # Under the Horovod engine the optimizer averages gradients (no-op for DDP, idempotent).
-        optimizer = rt.optimizer(optimizer, model, opts["accum_steps"])
-        self.rt, self.model, self.optimizer, self.loader, self.o = rt, model, optimizer, loader, opts
-        self.precision: Precision = opts["precision"] or Precision("fp32", rt.device)
-        self.acc = Accumulator(model, optimizer, self.precision, opts["accum_steps"],
-                               opts["clip_norm"], skip_nonfinite=opts["skip_nonfinite"])
+        optimizer = rt.optimizer(optimizer, model, cfg.accum_steps)
+        self.rt, self.model, self.optimizer, self.loader, self.cfg = rt, model, optimizer, loader, cfg
+        self.precision: Precision = cfg.precision or Precision("fp32", rt.device)
+        self.acc = Accumulator(model, optimizer, self.precision, cfg.accum_steps, cfg.clip_norm,
+                               skip_nonfinite=cfg.skip_nonfinite, engine=rt.engine)
         self.state = TrainState()
-        self.logger: Optional[RunLogger] = opts["logger"]
-        self.ckpt: Optional[CheckpointPolicy] = opts["checkpoint"]
-        self.loss_fn: Callable[..., torch.Tensor] = opts["loss_fn"] or nn.functional.cross_entropy
+        self.logger: Optional[RunLogger] = cfg.logger
+        self.ckpt: Optional[CheckpointPolicy] = cfg.checkpoint
+        self.loss_fn: Callable[..., torch.Tensor] = cfg.loss_fn or nn.functional.cross_entropy
         self.resumed_mid_epoch = False
         self.start_position = (0, 0)   # (epoch, global samples done in it) where this run starts
         self._epoch_done = False
@@ -100,7 +143,7 @@ class _Fit:
 
     # ------------------------------------------------------------------ checkpoints
     def run_state(self) -> Dict[str, Any]:
-        sched = self.o["scheduler"]
+        sched = self.cfg.scheduler
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": sched.state_dict() if sched is not None else None,
                 "precision": self.precision.state_dict(), "loader": self.loader.state_dict(),
@@ -108,7 +151,7 @@ class _Fit:
                              "best": self.state.best, "best_epoch": self.state.best_epoch,
                              "mid_epoch": self.loader.batches_done > 0 and not self._epoch_done},
                 "history": self.state.history, "rng": comm.gather_object(rng_state()),
-                "world_size": self.rt.world_size, "config": self.o["config"],
+                "world_size": self.rt.world_size, "config": self.cfg.config,
                 "meta": checkpoint_metadata()}
 
     def save(self) -> None:
@@ -133,8 +176,8 @@ class _Fit:
         check_optimizer_compatible(ckpt["optimizer"], self.optimizer)
         net.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
-        if self.o["scheduler"] is not None and ckpt.get("scheduler"):
-            self.o["scheduler"].load_state_dict(ckpt["scheduler"])
+        if self.cfg.scheduler is not None and ckpt.get("scheduler"):
+            self.cfg.scheduler.load_state_dict(ckpt["scheduler"])
         self.precision.load_state_dict(ckpt["precision"])
         self._restore_progress(ckpt)
         comm.print0(f"resumed from {path} (epoch {self.state.epoch}, step {self.state.step}"
@@ -170,7 +213,7 @@ class _Fit:
     # ------------------------------------------------------------------ training
     def _forward_backward(self, batch: Sequence[torch.Tensor], last: bool) -> torch.Tensor:
         x, y = self.rt.to_device(*batch[:2])
-        if self.o["channels_last"] and x.dim() == 4:
+        if self.cfg.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         with self.acc.micro_step(last=last):
             with self.precision.autocast():
@@ -183,11 +226,11 @@ class _Fit:
     @property
     def _check_every_micro_step(self) -> bool:
         # Reading a loss forces a device sync: on CPU it is free, on GPUs only on logging steps.
-        return not self.o["skip_nonfinite"] and self.rt.device.type == "cpu"
+        return not self.cfg.skip_nonfinite and self.rt.device.type == "cpu"
 
     def _check_finite(self, loss: torch.Tensor) -> float:
         value = float(loss)
-        if not math.isfinite(value) and not self.o["skip_nonfinite"]:
+        if not math.isfinite(value) and not self.cfg.skip_nonfinite:
             where = "at" if self._check_every_micro_step else "by"
             raise DDPKitError(
                 f"loss is {value} {where} step {self.state.step + 1} (epoch "
@@ -204,10 +247,10 @@ class _Fit:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.rt.device)  # no per-step sync
         seen, start = 0, time.perf_counter()
         bar = progress(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
-                       self.o["progress"], self.loader.batch_size * self.rt.world_size)
+                       self.cfg.progress, self.loader.batch_size * self.rt.world_size)
         for batch in bar:
             loss = self._forward_backward(batch, self.loader.at_last_batch)
-            for hook in self.o["hooks"]:
+            for hook in self.cfg.hooks:
                 hook.on_batch_end(self, batch)
             n = batch[0].shape[0]
             loss_sum += loss.double() * n
@@ -221,14 +264,14 @@ class _Fit:
         return self._epoch_metrics(loss_sum, seen, time.perf_counter() - start)
 
     def _after_optimizer_step(self, loss_t: torch.Tensor, bar: Any) -> None:
-        log_now = self.logger is not None and (self.state.step + 1) % self.o["log_every"] == 0
+        log_now = self.logger is not None and (self.state.step + 1) % self.cfg.log_every == 0
         shown = getattr(bar, "disable", True) is False
         # The loss is read (a device sync on GPUs) only when someone looks at it.
-        loss = (self._check_finite(loss_t) if log_now or shown or self.o["hooks"]
+        loss = (self._check_finite(loss_t) if log_now or shown or self.cfg.hooks
                 or self._check_every_micro_step else float("nan"))
         self.state.step += 1
-        if self.o["scheduler"] is not None and self.o["scheduler_interval"] == "step":
-            self.o["scheduler"].step()
+        if self.cfg.scheduler is not None and self.cfg.scheduler_interval == "step":
+            self.cfg.scheduler.step()
         metrics = {"train/loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.acc.grad_norm is not None:
             metrics["train/grad_norm"] = self.acc.grad_norm
@@ -236,13 +279,13 @@ class _Fit:
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.3g}")
         if log_now:
             self.logger.log(metrics, self.state.step)
-        for hook in self.o["hooks"]:
+        for hook in self.cfg.hooks:
             hook.on_step_end(self, metrics)
         if self._checkpoint_due():
             self.save()
 
     def _stop(self) -> bool:
-        return self.o["max_steps"] is not None and self.state.step >= self.o["max_steps"]
+        return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
 
     def _epoch_metrics(self, loss_sum: torch.Tensor, seen: int, seconds: float) -> Dict[str, float]:
         totals = comm.reduce(torch.tensor([float(loss_sum), seen], dtype=torch.float64), "sum")
@@ -254,18 +297,18 @@ class _Fit:
                 1000 * wall / steps, "train/epoch_s": wall}
 
     def evaluate(self) -> Dict[str, float]:
-        if self.o["eval_data"] is None:
+        if self.cfg.eval_data is None:
             return {}
-        result = self.rt.evaluate(self.model, self.o["eval_data"],
-                                  batch_size=self.o["eval_batch_size"], loss_fn=self.loss_fn,
-                                  precision=self.precision, channels_last=self.o["channels_last"])
+        result = self.rt.evaluate(self.model, self.cfg.eval_data,
+                                  batch_size=self.cfg.eval_batch_size, loss_fn=self.loss_fn,
+                                  precision=self.precision, channels_last=self.cfg.channels_last)
         return {f"eval/{k}": v for k, v in result.items()}
 
     def run(self) -> TrainState:
         self.restore()
-        for hook in self.o["hooks"]:
+        for hook in self.cfg.hooks:
             hook.on_fit_start(self)
-        while self.state.epoch < self.o["epochs"] and not self._stop():
+        while self.state.epoch < self.cfg.epochs and not self._stop():
             metrics = self.train_epoch()
             if self._stop() and not self._epoch_finished():
                 every = self.ckpt.every_steps if self.ckpt is not None else 0
@@ -273,7 +316,7 @@ class _Fit:
                     self.save()  # stopped by max_steps mid-epoch: keep the work (unless just saved)
                 break
             self._end_epoch(metrics)
-        for hook in self.o["hooks"]:
+        for hook in self.cfg.hooks:
             hook.on_fit_end(self)
         if self.logger is not None:
             self.logger.close()
@@ -284,24 +327,24 @@ class _Fit:
 
     def _end_epoch(self, metrics: Dict[str, float]) -> None:
         self.state.epoch += 1
-        every = self.o["eval_every"]
-        if (every and self.state.epoch % every == 0) or self.state.epoch == self.o["epochs"]:
+        every = self.cfg.eval_every
+        if (every and self.state.epoch % every == 0) or self.state.epoch == self.cfg.epochs:
             metrics.update(self.evaluate())
-        if self.o["scheduler"] is not None and self.o["scheduler_interval"] == "epoch":
-            self.o["scheduler"].step()
+        if self.cfg.scheduler is not None and self.cfg.scheduler_interval == "epoch":
+            self.cfg.scheduler.step()
         self._track_best(metrics)
         metrics["epoch"] = self.state.epoch
         self.state.history.append(metrics)
-        comm.print0(format_epoch(metrics, self.o["epochs"]))
+        comm.print0(format_epoch(metrics, self.cfg.epochs))
         if self.logger is not None:
             self.logger.log(metrics, self.state.step)
-        for hook in self.o["hooks"]:
+        for hook in self.cfg.hooks:
             hook.on_epoch_end(self, metrics)
         if self.ckpt is not None and self.ckpt.every_epoch:
             self.save()
 
     def _track_best(self, metrics: Dict[str, float]) -> None:
-        value = metrics.get(f"eval/{self.o['monitor']}")
+        value = metrics.get(f"eval/{self.cfg.monitor}")
         if value is not None and (self.state.best is None or value > self.state.best):
             self.state.best, self.state.best_epoch = value, self.state.epoch
             metrics["best"] = value
@@ -324,18 +367,12 @@ def format_epoch(m: Dict[str, float], epochs: int) -> str:
 
 
 def fit(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
-        loader: DistributedLoader, *, epochs: int, loss_fn: Optional[Callable] = None,
-        precision: Optional[Precision] = None, accum_steps: int = 1,
-        clip_norm: Optional[float] = None, scheduler: Any = None,
-        scheduler_interval: str = "epoch", eval_data: Any = None, eval_every: int = 1,
-        eval_batch_size: int = 256, monitor: str = "top1", logger: Optional[RunLogger] = None,
-        checkpoint: Optional[CheckpointPolicy] = None, hooks: Sequence[Hook] = (),
-        max_steps: Optional[int] = None, skip_nonfinite: bool = False,
-        channels_last: bool = False, log_every: int = 20, progress: bool = True,
-        config: Optional[Dict[str, Any]] = None) -> TrainState:
-    """Train ``model`` for ``epochs`` epochs on every rank; returns the :class:`TrainState`.
+        loader: DistributedLoader, config: Optional[FitConfig] = None,
+        **options: Any) -> TrainState:
+    """Train ``model`` on every rank as ``config`` says; returns the :class:`TrainState`.
 
-    The loader's epochs are set by the loop (resume-aware); evaluation is exact; with a
+    ``options`` are :class:`FitConfig` fields, given instead of (or over) ``config``. The
+    loader's epochs are set by the loop (resume-aware); evaluation is exact; with a
     ``checkpoint`` policy the run can be killed and resumed bit-exactly.
 
     Example::
@@ -343,15 +380,12 @@ def fit(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
         rt = ddpkit.setup(seed=0)
         model = rt.wrap(Net())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        state = fit(rt, model, opt, rt.loader(train_set, 256), epochs=5, eval_data=test_set,
-                    precision=Precision("bf16", rt.device), accum_steps=2)
+        state = fit(rt, model, opt, rt.loader(train_set, 256),
+                    FitConfig(epochs=5, eval_data=test_set, accum_steps=2))
+        state = fit(rt, model, opt, rt.loader(train_set, 256), epochs=5)   # the same, inline
     """
-    if scheduler_interval not in ("step", "epoch"):
-        raise DDPKitError(f"scheduler_interval must be 'step' or 'epoch', not {scheduler_interval!r}")
-    opts = dict(epochs=epochs, loss_fn=loss_fn, precision=precision, accum_steps=accum_steps,
-                clip_norm=clip_norm, scheduler=scheduler, scheduler_interval=scheduler_interval,
-                eval_data=eval_data, eval_every=eval_every, eval_batch_size=eval_batch_size,
-                monitor=monitor, logger=logger, checkpoint=checkpoint, hooks=list(hooks),
-                max_steps=max_steps, skip_nonfinite=skip_nonfinite, channels_last=channels_last,
-                log_every=max(1, log_every), progress=progress, config=config or {})
-    return _Fit(rt, model, optimizer, loader, opts).run()
+    if config is None:
+        config = FitConfig(**options)
+    elif options:
+        config = dataclasses.replace(config, **options)
+    return _Fit(rt, model, optimizer, loader, config).run()

@@ -1,0 +1,56 @@
+"""The ``ddpkit`` command: one parser per subcommand (run, train, bench, slurm), each a thin
+layer over the library function that does the work.
+
+User errors (:class:`~ddpkit.errors.DDPKitError`) print as one ``error:`` line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from ..errors import DDPKitError
+from . import bench, run, slurm, train
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``ddpkit`` argument parser.
+
+    Example::
+
+        build_parser().parse_args(["run", "--nproc", "2", "train.py"])
+    """
+    from ..version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="ddpkit", description="Data-parallel PyTorch training done right: run a script on N "
+                                   "processes, train the built-in job, measure, render sbatch.")
+    parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in (run, train, slurm, bench):
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``ddpkit`` command; returns the exit status.
+
+    Example::
+
+        sys.exit(main(["run", "--nproc", "2", "examples/train_ddpkit.py"]))
+    """
+    ns = build_parser().parse_args(argv)
+    try:
+        return int(ns.func(ns) or 0)
+    except DDPKitError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

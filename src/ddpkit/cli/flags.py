@@ -1,0 +1,58 @@
+"""The launch flags, declared once: ``ddpkit run`` and ``ddpkit train`` share them, and
+:func:`run_config` maps them onto the launcher's :class:`~ddpkit.launch.torchrun.RunConfig`.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, List, Optional
+
+from ..launch.torchrun import RunConfig
+
+__all__ = ["add_launch_flags", "run_config"]
+
+# (flags, argparse keywords): the RunConfig field is the dest.
+_LAUNCH_FLAGS = (
+    (("--nnodes",), dict(type=int, default=1, help="number of nodes (default 1)")),
+    (("--node-rank",), dict(type=int, default=0,
+                            help="this node's rank (static rendezvous with --master-addr)")),
+    (("--master-addr",), dict(help="address of node 0 (static rendezvous)")),
+    (("--master-port",), dict(type=int, help="port on node 0 (default: a free one)")),
+    (("--rdzv-endpoint",), dict(help="HOST:PORT of the c10d rendezvous (multi-node, elastic)")),
+    (("--rdzv-id",), dict(help="job id shared by all nodes (default 'ddpkit')")),
+    (("--rdzv-timeout",), dict(type=float, metavar="SECONDS",
+                               help="several nodes: every node must join within this many "
+                                    "seconds of the first (default: torchrun's 600)")),
+    (("--max-restarts",), dict(type=int, default=0,
+                               help="restart the whole group this many times when a worker "
+                                    "dies (ddpkit train resumes from its checkpoints)")),
+    (("--iface",), dict(help="network interface for gloo/nccl traffic (e.g. eth1)")),
+    (("--log-dir",), dict(help="directory for per-rank logs (torchrun --log-dir)")),
+    (("-v", "--verbose"), dict(action="store_true", help="show torchrun's agent logs")),
+)
+_FIELDS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id",
+           "rdzv_timeout", "max_restarts", "iface", "log_dir", "verbose")
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the launch flags (nodes, rendezvous, restarts, interface, logs) to ``parser``.
+
+    Example::
+
+        add_launch_flags(sub.add_parser("run"))
+    """
+    group = parser.add_argument_group("launch (torchrun underneath)")
+    for flags, kwargs in _LAUNCH_FLAGS:
+        group.add_argument(*flags, **kwargs)
+
+
+def run_config(ns: argparse.Namespace, script: str, script_args: Optional[List[str]] = None,
+               **fields: Any) -> RunConfig:
+    """The :class:`RunConfig` the parsed launch flags describe, for ``script``.
+
+    Example::
+
+        run_config(parser.parse_args(["run", "--nnodes", "2", "t.py"]), "t.py", nproc="2")
+    """
+    values = {name: getattr(ns, name) for name in _FIELDS}
+    values.update(fields)
+    return RunConfig(script=script, script_args=list(script_args or []), **values)

@@ -1,0 +1,32 @@
+"""``ddpkit run``: launch a script on N processes per node (torchrun's elastic agent underneath)."""
+from __future__ import annotations
+
+import argparse
+
+from .flags import add_launch_flags, run_config
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ddpkit run``.
+
+    Example::
+
+        add_parser(argparse.ArgumentParser().add_subparsers())
+    """
+    p = sub.add_parser("run", help="launch a script on N processes (torchrun underneath)",
+                       description="Launch SCRIPT on --nproc processes per node with torchrun's "
+                                   "elastic agent. On one node a free port is picked.")
+    p.add_argument("--nproc", default="1", help="processes per node, or 'auto' (default 1)")
+    add_launch_flags(p)
+    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(ns: argparse.Namespace) -> int:
+    from ..launch.torchrun import run
+
+    return run(run_config(ns, ns.script, ns.script_args, nproc=ns.nproc, module=ns.module))

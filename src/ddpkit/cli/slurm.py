@@ -1,0 +1,43 @@
+"""``ddpkit slurm``: print an sbatch script that runs a script with ``ddpkit run`` on N nodes."""
+from __future__ import annotations
+
+import argparse
+
+from ..launch.sbatch import DEFAULT_PORT, render_sbatch
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ddpkit slurm``.
+
+    Example::
+
+        add_parser(argparse.ArgumentParser().add_subparsers())
+    """
+    p = sub.add_parser("slurm", help="print an sbatch script for N nodes x G GPUs",
+                       description="Render an sbatch script that runs SCRIPT with ddpkit run "
+                                   "(srun + torchrun c10d rendezvous) on every node.")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--job-name", default="ddpkit")
+    p.add_argument("--time", default="01:00:00")
+    p.add_argument("--partition")
+    p.add_argument("--cpus-per-task", type=int)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"rendezvous port on the first node (default {DEFAULT_PORT})")
+    p.add_argument("--rdzv-timeout", type=int, metavar="SECONDS",
+                   help="every node must join within this many seconds of the first")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the whole group this many times when a worker dies")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_slurm)
+
+
+def _cmd_slurm(ns: argparse.Namespace) -> int:
+    print(render_sbatch(ns.nodes, ns.gpus_per_node, ns.script, ns.script_args,
+                        job_name=ns.job_name, time=ns.time, partition=ns.partition,
+                        cpus_per_task=ns.cpus_per_task, port=ns.port,
+                        rdzv_timeout=ns.rdzv_timeout, max_restarts=ns.max_restarts), end="")
+    return 0

@@ -1,0 +1,196 @@
+"""When things go wrong: one error line per failure instead of a traceback per rank, collective
+timeouts named, and workers that die with their launcher.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+
+from .errors import DDPKitError
+
+__all__ = ["install_error_hook", "collective_timeout", "is_peer_failure", "die_with_launcher",
+           "LAUNCHER_PID_VAR"]
+
+#: Set for the workers of ``ddpkit run``: the launcher's pid. ``ddpkit.setup`` in a worker whose
+#: parent is that process asks the kernel to kill it when the launcher dies (Linux).
+LAUNCHER_PID_VAR = "DDPKIT_LAUNCHER_PID"
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher(environ: Optional[dict] = None, sig: int = signal.SIGKILL) -> bool:
+    """In a worker of ``ddpkit run``: have the kernel send ``sig`` when the launcher dies.
+
+    torchrun starts workers in their own session, so a killed launcher (``kill -9``, OOM
+    killer) leaves them running: on several nodes the job then fails only after torchrun's
+    300 s exit barrier. Applies only when ``DDPKIT_LAUNCHER_PID`` (set by ``ddpkit run``) is
+    this process's parent; a no-op returning False elsewhere (other launchers, not Linux).
+
+    Example::
+
+        die_with_launcher()   # True in a worker of `ddpkit run` on Linux
+    """
+    environ = os.environ if environ is None else environ
+    launcher = environ.get(LAUNCHER_PID_VAR, "")
+    if not sys.platform.startswith("linux") or not launcher.isdigit():
+        return False
+    if os.getppid() != int(launcher):
+        return False  # started by something else (e.g. a grandchild of the launcher)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
+        os.kill(os.getpid(), sig)
+    return True
+
+
+_TIMEOUT_PATTERNS = (
+    # gloo: "[.../unbound_buffer.cc:78] Timed out waiting 6000ms for recv operation to complete"
+    re.compile(r"Timed out waiting (?P<ms>\d+)\s*ms for (?P<what>\w+) operation"),
+    # NCCL watchdog: "... WorkNCCL(SeqNum=7, OpType=ALLREDUCE, ...) ran for 600012 milliseconds
+    # before timing out" / "Timeout(ms)=600000"
+    re.compile(r"OpType=(?P<op>\w+).*?Timeout\(ms\)=(?P<ms>\d+)", re.S),
+)
+
+
+def collective_timeout(exc: BaseException, tb: Any = None) -> Optional[str]:
+    """One line for a collective that timed out (gloo or NCCL), or None for other errors.
+
+    Names the collective (from the traceback: ``all_reduce``, ``barrier``, DDP's gradient
+    all-reduce in ``backward``...), where the script called it, the timeout, and what to check.
+
+    Example::
+
+        collective_timeout(RuntimeError("[x.cc:78] Timed out waiting 6000ms for recv operation "
+                                        "to complete"))
+        # 'a collective timed out after 6 s (...): a peer rank stopped answering: ...'
+    """
+    text = str(exc)
+    match = next((m for m in (p.search(text) for p in _TIMEOUT_PATTERNS) if m), None)
+    if match is None:
+        return None
+    seconds = int(match.group("ms")) / 1000
+    op, where = _collective_site(tb if tb is not None else exc.__traceback__)
+    if op is None and match.groupdict().get("op"):
+        op = match.group("op").lower()
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0])[:160]  # no src loc
+    if "gloo" in text.lower():
+        detail = f"gloo: {detail}"
+    return (f"{'collective ' + op if op else 'a collective'} timed out after {seconds:g} s "
+            f"({'called at ' + where + '; ' if where else ''}{detail}): a peer rank stopped "
+            "answering: check the network between the nodes (or pass --iface NAME), that every "
+            "node is still running (the first error on another node is the cause), or raise "
+            "ddpkit.setup(timeout=...)")
+
+
+def _collective_site(tb: Any) -> "tuple[Optional[str], Optional[str]]":
+    """(collective name, "file:line" in the caller's code) from a traceback, innermost first."""
+    if tb is None:
+        return None, None
+    frames = traceback.extract_tb(tb)
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    op = None
+    for frame in reversed(frames):
+        name = frame.name
+        if frame.filename.endswith("distributed_c10d.py") and not name.startswith("_") \
+                and name != "wrapper":
+            op = name
+            break
+        if frame.filename.startswith(torch_dir) and name in ("backward", "_engine_run_backward"):
+            op = "gradient all-reduce in backward (DDP)"
+            break
+    outside = [f for f in frames if not f.filename.startswith(torch_dir)]
+    user = next((f for f in reversed(outside) if not f.filename.startswith(ours)), None)
+    inner = outside[-1] if outside else None
+    where = f"{os.path.basename(user.filename)}:{user.lineno}" if user else None
+    if inner is not None and inner is not user and inner.filename.startswith(ours):
+        via = f"ddpkit.{os.path.splitext(os.path.basename(inner.filename))[0]}.{inner.name}"
+        where = f"{where} via {via}" if where else via
+    return op, where
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote worker crashing", "NCCL communicator was aborted")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective failed because another rank died first: a consequence, not the cause."""
+    text = str(exc)
+    return any(marker in text for marker in _PEER_LOST)
+
+
+def _record_root_cause(exc: BaseException, text: str) -> None:
+    # torchrun's error file, in its own format, names the rank that failed first (see
+    # ddpkit.launch.torchrun.run); ranks that merely lost a peer write none.
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # reporting must never mask the real error
+        pass
+
+
+def install_error_hook(rank: int, delay: float = 3.0) -> None:
+    """Report an uncaught error once instead of once per rank.
+
+    Rank 0 reports at once; other ranks wait ``delay`` seconds first, by which time a launcher
+    that saw rank 0 fail has stopped them, so an error every rank hits is printed once. A
+    :class:`DDPKitError` is one line (no traceback) and exit status 2; a collective that failed
+    only because a peer died is one line too, so the failing rank's traceback stands out; a
+    collective that timed out is one line on every rank (:func:`collective_timeout`).
+    Install it after the process group exists: PyTorch wraps ``sys.excepthook`` at init.
+
+    Example::
+
+        install_error_hook(env.rank)
+    """
+    def hook(kind: type, value: BaseException, tb: Any) -> None:
+        prefix = "" if rank == 0 else f"[rank {rank}] "
+        if is_peer_failure(value):
+            first = str(value).strip().splitlines()[0][:200]
+            _write(f"{prefix}stopped: a peer process failed during a collective ({first})\n")
+            os._exit(1)
+        timed_out = collective_timeout(value, tb)
+        if timed_out is not None:
+            # Every rank of a cut-off node times out alike: one line each, at once (no delay:
+            # on several nodes each launcher sees only its own ranks).
+            text = "".join(traceback.format_exception(kind, value, tb))
+            _record_root_cause(value, text)
+            _write(f"{prefix}error: {timed_out}\n")
+            os._exit(1)
+        if rank != 0:
+            time.sleep(delay)
+        text = "".join(traceback.format_exception(kind, value, tb))
+        _record_root_cause(value, text)
+        if isinstance(value, DDPKitError):
+            _write(f"{prefix}error: {value}\n")
+            os._exit(2)
+        _write("".join(prefix + line + "\n" for line in text.splitlines()))
+        os._exit(1)
+
+    hook.ddpkit = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _write(text: str) -> None:
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(text)
+    stream.flush()

@@ -1,0 +1,69 @@
+"""Engines: one object per way of training data-parallel, chosen once by :func:`ddpkit.setup`.
+
+``ddp`` (DistributedDataParallel), ``dp`` (DataParallel), ``horovod`` and ``none`` (no wrapper).
+The rest of ddpkit asks the engine (wrap, optimizer, no_sync, collectives, shutdown) and never
+which engine it is; adding an engine means adding a module here and a line to ``_ENGINES``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Type
+
+import torch
+from torch import nn
+
+from ..env import ClusterEnv
+from ..errors import ConfigError
+from ..wrap import WrapOptions
+from .base import Engine
+from .ddp import DDPEngine
+from .dp import DPEngine
+from .horovod import HorovodEngine
+
+__all__ = ["Engine", "STRATEGIES", "create", "active", "wrap_model"]
+
+# The order is the one users see in error messages and --help.
+_ENGINES: Dict[str, Type[Engine]] = {"ddp": DDPEngine, "dp": DPEngine, "horovod": HorovodEngine,
+                                     "none": Engine}
+STRATEGIES = tuple(_ENGINES)
+# Engines whose collectives replace torch.distributed's when they run (checked in this order).
+_COLLECTIVES = (HorovodEngine,)
+
+
+def create(name: str) -> Engine:
+    """A new engine by its strategy name (``ddp``, ``dp``, ``horovod``, ``none``).
+
+    Example::
+
+        engine = create("ddp")
+    """
+    if name not in _ENGINES:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    return _ENGINES[name]()
+
+
+_TORCH = Engine()
+
+
+def active() -> Engine:
+    """The engine whose collectives serve this process now: Horovod's after ``hvd.init()`` on
+    several processes, torch.distributed's otherwise (one-process answers without a group).
+
+    Example::
+
+        total = active().all_reduce(torch.tensor([2.0]), "sum")
+    """
+    for cls in _COLLECTIVES:
+        if cls.running():
+            return cls()
+    return _TORCH
+
+
+def wrap_model(model: nn.Module, env: ClusterEnv, device: torch.device, strategy: str = "ddp",
+               options: Optional[WrapOptions] = None) -> nn.Module:
+    """Move ``model`` to ``device`` and wrap it for ``strategy``; with one process ``ddp`` is a no-op.
+
+    Example::
+
+        model = wrap_model(Net(), env, device, "ddp", WrapOptions(sync_bn=True))
+    """
+    return create(strategy).wrap(model, env, device, options or WrapOptions())

@@ -1,0 +1,36 @@
+"""The ``dp`` engine: ``nn.DataParallel``, one process driving every visible GPU.
+
+Kept as the tutorials' baseline (it is slower than DDP); on CPU the plain module is used.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.nn import DataParallel
+
+from ..env import ClusterEnv
+from ..wrap import WrapOptions
+from .base import Engine
+
+__all__ = ["DPEngine"]
+
+
+class DPEngine(Engine):
+    """Scatter each batch over the GPUs of this process, gather the outputs, reduce in backward.
+
+    Example::
+
+        model = DPEngine().wrap(Net(), env, torch.device("cuda", 0), WrapOptions())
+    """
+
+    name = "dp"
+
+    def wrap(self, model: nn.Module, env: ClusterEnv, device: torch.device,
+             options: WrapOptions) -> nn.Module:
+        model = model.to(device)
+        if device.type != "cuda" or torch.cuda.device_count() < 1:
+            warnings.warn("strategy 'dp' needs CUDA devices; on CPU the plain module is used")
+            return model
+        return DataParallel(model)

@@ -1,0 +1,74 @@
+"""Is this ``TrainConfig`` possible here? One clear line for each impossible request, checked in
+the launching process before any worker starts (and again on every rank).
+"""
+from __future__ import annotations
+
+import os
+
+from ..data import per_rank_batch_size
+from ..engines import create as create_engine
+from ..errors import ConfigError
+from ..wrap import WrapOptions
+from .config import TrainConfig
+from .datasets import ON_DISK, available_datasets, dataset_key
+from .models import available_models, is_torchvision, model_key
+
+__all__ = ["check_config", "micro_batch_size"]
+
+
+def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """Per-rank batch of one micro-step: the global batch / (processes x accumulation steps).
+
+    Example::
+
+        micro_batch_size(TrainConfig(batch_size=256, accum_steps=2), world_size=4)   # 32
+    """
+    if cfg.accum_steps < 1:
+        raise ConfigError(f"--accum-steps must be >= 1, got {cfg.accum_steps}")
+    per_rank = per_rank_batch_size(cfg.batch_size, world_size)
+    if per_rank % cfg.accum_steps:
+        raise ConfigError(f"--accum-steps {cfg.accum_steps} cannot split the per-process batch "
+                          f"{per_rank} (global {cfg.batch_size} / {world_size} processes); "
+                          "choose a divisor of it")
+    return per_rank // cfg.accum_steps
+
+
+def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
+    """Reject impossible configurations with one clear line, before launching anything.
+
+    Example::
+
+        check_config(TrainConfig(model="resnet18"), world_size=2, cuda=False)
+    """
+    if model_key(cfg.model) not in available_models() and not is_torchvision(cfg.model):
+        raise ConfigError(f"unknown model {cfg.model!r}; valid models: "
+                          f"{', '.join(available_models())}, or torchvision:NAME")
+    key = dataset_key(cfg.data)
+    if key not in available_datasets():
+        raise ConfigError(f"unknown dataset {cfg.data!r}; valid datasets: "
+                          f"{', '.join(available_datasets())}")
+    if key in ON_DISK and (not cfg.data_dir or not os.path.isdir(cfg.data_dir)):
+        raise ConfigError(f"dataset {cfg.data!r} needs an existing --data-dir (got "
+                          f"{cfg.data_dir!r}); nothing is downloaded")
+    if cfg.strategy == "dp" and world_size > 1:
+        raise ConfigError("strategy 'dp' runs one process over all GPUs; use --nproc 1")
+    engine = create_engine(cfg.strategy)
+    reason = engine.unavailable()
+    if reason:
+        raise ConfigError(f"--strategy {cfg.strategy}: {reason}")
+    engine.check_options(WrapOptions(sync_bn=cfg.sync_bn, comm_hook=cfg.comm_hook))
+    if cfg.sync_bn and world_size > 1 and not cuda:
+        raise ConfigError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm refuses CPU tensors; "
+                          "drop --sync-bn when training on CPU")
+    if cfg.precision == "fp16" and not cuda:
+        raise ConfigError("--precision fp16 needs a CUDA device; use --precision bf16 on CPU")
+    if cfg.epochs < 1:
+        raise ConfigError(f"--epochs must be >= 1, got {cfg.epochs}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.resume not in (None, "", "auto") and not os.path.exists(cfg.resume):
+        raise ConfigError(f"--resume {cfg.resume!r} does not exist; give a checkpoint file, a "
+                          "directory of checkpoints, or 'auto'")
+    micro_batch_size(cfg, world_size)
+
+

@@ -1,0 +1,205 @@
+"""``TrainConfig``: everything ``ddpkit train`` does, as one dataclass; from flags and YAML/TOML.
+
+Precedence: dataclass defaults < config file < command-line flags. Unknown keys and wrong types
+are rejected with the key named.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional
+
+from ..engines import STRATEGIES
+from ..errors import ConfigError
+
+__all__ = ["TrainConfig", "load_config_file", "merge", "config_from_dict", "field_type"]
+
+
+def _opt(default: Any, help: str, choices: Optional[tuple] = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """The resolved configuration of one training run (printed at start, saved in the run dir).
+
+    Example::
+
+        cfg = TrainConfig(model="resnet18", data="synthetic", epochs=1, batch_size=128)
+    """
+
+    # launch
+    nproc: int = _opt(2, "processes on this node")
+    strategy: str = _opt("ddp", "how the model is replicated (horovod: needs scripts/build_horovod.sh)",
+                         STRATEGIES)
+    backend: Optional[str] = _opt(None, "process group backend (default: nccl on GPU, gloo on CPU)")
+    accelerator: str = _opt("auto", "device type", ("auto", "cpu", "cuda"))
+    timeout_s: float = _opt(600.0, "collective timeout in seconds")
+    # model and data
+    model: str = _opt("small_cnn", "built-in model name or torchvision:NAME")
+    data: str = _opt("digits", "dataset name")
+    data_dir: Optional[str] = _opt(None, "dataset root for cifar10/cifar100/imagefolder")
+    synthetic_samples: int = _opt(2048, "training samples of the synthetic dataset")
+    image_size: int = _opt(32, "image size for imagefolder")
+    augment: bool = _opt(False, "random crop + flip (cifar, imagefolder)")
+    workers: int = _opt(0, "data-loader worker processes per rank")
+    # optimisation
+    epochs: int = _opt(12, "training epochs")
+    batch_size: int = _opt(64, "GLOBAL batch size (split across processes)")
+    lr: float = _opt(0.05, "peak learning rate")
+    optimizer: str = _opt("sgd", "optimizer", ("sgd", "adam", "adamw"))
+    momentum: float = _opt(0.9, "SGD momentum")
+    weight_decay: float = _opt(5e-4, "weight decay")
+    scheduler: str = _opt("cosine", "LR schedule (cosine and onecycle step per batch)",
+                          ("none", "cosine", "step", "onecycle"))
+    accum_steps: int = _opt(1, "gradient accumulation micro-steps per optimizer step")
+    clip_grad: Optional[float] = _opt(None, "clip the gradient norm to this value")
+    precision: str = _opt("fp32", "numeric precision", ("fp32", "bf16", "fp16"))
+    channels_last: bool = _opt(False, "channels_last memory format for conv nets")
+    sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm when world size > 1")
+    comm_hook: Optional[str] = _opt(None, "gradient compression (horovod: fp16 only)",
+                                     ("fp16", "bf16", "powersgd"))
+    find_unused_parameters: bool = _opt(False, "DDP find_unused_parameters")
+    skip_nonfinite: bool = _opt(False, "skip optimizer steps with NaN/inf gradients instead of stopping")
+    max_steps: Optional[int] = _opt(None, "stop after this many optimizer steps")
+    # evaluation, logging, reproducibility
+    eval_every: int = _opt(1, "evaluate every N epochs (0: only at the end)")
+    eval_batch_size: int = _opt(256, "evaluation batch size per process")
+    seed: int = _opt(0, "random seed")
+    deterministic: bool = _opt(False, "torch.use_deterministic_algorithms")
+    output: str = _opt("runs/ddpkit", "run directory (config, metrics.jsonl, checkpoints)")
+    log_every: int = _opt(20, "log training metrics every N optimizer steps")
+    progress: bool = _opt(True, "progress bar on rank 0 when stderr is a terminal")
+    # checkpoints and resume
+    resume: Optional[str] = _opt(None, "'auto' (latest valid checkpoint in the run dir) or a path")
+    ckpt_every_steps: int = _opt(0, "checkpoint every N optimizer steps (0: off)")
+    ckpt_every_minutes: float = _opt(0.0, "checkpoint every N minutes (0: off)")
+    ckpt_keep: int = _opt(3, "checkpoints to keep")
+    ckpt_every_epoch: bool = _opt(True, "checkpoint at the end of every epoch")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain dict (for JSON/YAML and checkpoints)."""
+        return dataclasses.asdict(self)
+
+    def dump(self, path: str) -> None:
+        """Write the resolved config as JSON (a valid YAML file too)."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=False)
+            f.write("\n")
+
+
+def field_type(name: str) -> Any:
+    """The plain type of a :class:`TrainConfig` field (``Optional[int]`` -> ``int``).
+
+    Example::
+
+        field_type("clip_grad")   # float
+    """
+    hint = typing.get_type_hints(TrainConfig)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _optional(key: str) -> bool:
+    return type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[key])
+
+
+def _coerce(key: str, value: Any) -> Any:
+    want = field_type(key)
+    if value is None:
+        if _optional(key):
+            return None
+        raise ConfigError(f"config key {key!r} must not be empty (null); give a {want.__name__}")
+    if want is float and isinstance(value, str):
+        try:  # YAML reads 1e-3 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if want is bool and not isinstance(value, bool):
+        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise ConfigError(f"config key {key!r} must be of type {want.__name__}, got "
+                          f"{type(value).__name__} {value!r}")
+    return value
+
+
+def config_from_dict(values: Mapping[str, Any], base: Optional[TrainConfig] = None) -> TrainConfig:
+    """Apply ``values`` over ``base`` (or defaults), checking names, types and choices.
+
+    Example::
+
+        cfg = config_from_dict({"epochs": 3, "model": "resnet18"})
+    """
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    clean: Dict[str, Any] = {}
+    for raw_key, value in values.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {raw_key!r}{hint}")
+        value = _coerce(key, value)
+        choices = fields[key].metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
+        clean[key] = value
+    return dataclasses.replace(base or TrainConfig(), **clean)
+
+
+def load_config_file(path: str) -> Dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``/``.json``) or TOML (``.toml``) config file into a dict.
+
+    Example::
+
+        values = load_config_file("train.toml")
+    """
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        data = _parse(path, raw)
+    except ConfigError:
+        raise
+    except Exception as exc:  # each parser has its own error type
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"config file {path!r} is malformed: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of keys to values")
+    return data
+
+
+def _parse(path: str, raw: bytes) -> Any:
+    if path.endswith(".toml"):
+        try:
+            import tomllib
+        except ImportError:  # Python < 3.11
+            import tomli as tomllib  # type: ignore[no-redef]
+        return tomllib.loads(raw.decode())
+    if path.endswith(".json"):
+        return json.loads(raw.decode())
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError("reading YAML needs PyYAML: pip install 'ddpkit[config]' "
+                          "(or use a .toml file)") from None
+    return yaml.safe_load(raw.decode())
+
+
+def merge(file_path: Optional[str], flags: Mapping[str, Any]) -> TrainConfig:
+    """Defaults, then the config file (if any), then the flags the user actually gave.
+
+    Example::
+
+        cfg = merge("train.yaml", {"epochs": 2})
+    """
+    cfg = config_from_dict(load_config_file(file_path)) if file_path else TrainConfig()
+    return config_from_dict(flags, cfg)

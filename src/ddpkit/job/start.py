@@ -1,0 +1,86 @@
+"""How ``ddpkit train`` runs a job: check it, write the resolved config into the run directory,
+then train in this process, or start the workers under torchrun or horovodrun.
+
+:func:`start` is the library form of ``ddpkit train``: ``start(cfg)`` from Python does what the
+command does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from ..engines import create as create_engine
+from ..env import detect
+from ..errors import ConfigError
+from ..launch import horovodrun
+from ..launch.torchrun import RunConfig, run
+from .check import check_config
+from .config import TrainConfig
+
+__all__ = ["start", "plan", "WORKER"]
+
+#: The worker module every rank runs: ``python -m ddpkit.job.train CONFIG.json``.
+WORKER = "ddpkit.job.train"
+
+
+def plan(cfg: TrainConfig, launch: RunConfig, inside_launcher: bool) -> str:
+    """Where the job runs: ``"here"`` (this process), ``"torchrun"`` or ``"horovodrun"``.
+
+    Example::
+
+        plan(TrainConfig(nproc=1), RunConfig(WORKER), inside_launcher=False)   # 'here'
+    """
+    if inside_launcher:
+        return "here"  # already one worker of a launcher: torchrun, srun + torchrun
+    if cfg.nproc == 1 and launch.nnodes == 1 and not launch.max_restarts:
+        return "here"
+    return create_engine(cfg.strategy).launcher
+
+
+def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
+    """Check ``cfg``, save it to ``cfg.output/config.json`` and run the job; the exit status.
+
+    ``launch`` carries the launch flags (nodes, rendezvous, restarts); its script is replaced
+    by the job's worker. With restarts the job resumes from its own checkpoints.
+
+    Example::
+
+        start(TrainConfig(epochs=2, output="runs/quick"))   # 2 processes on this machine
+    """
+    launch = launch or RunConfig(WORKER)
+    if launch.max_restarts and not cfg.resume:
+        cfg = dataclasses.replace(cfg, resume="auto")  # a restarted worker must pick up its work
+    if cfg.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {cfg.nproc}")
+    env = detect(os.environ)
+    inside = env.launcher == "torchrun"
+    world = env.world_size if inside else cfg.nproc * launch.nnodes
+    check_config(cfg, world, torch.cuda.is_available())
+    path = _save(cfg)
+    where = plan(cfg, launch, inside)
+    if where == "here":
+        from .train import train  # the workers' module: imported where it runs
+
+        train(cfg)
+        return 0
+    if where == "horovodrun":
+        if launch.nnodes != 1 or launch.max_restarts:
+            raise ConfigError("--strategy horovod runs on one node without restarts from `ddpkit "
+                              f"train`; for several hosts run `horovodrun -H ... python -m {WORKER} "
+                              f"{path}` yourself")
+        return horovodrun.run(cfg.nproc, [sys.executable, "-m", WORKER, path])
+    return run(dataclasses.replace(launch, script=WORKER, module=True, script_args=[path],
+                                   nproc=cfg.nproc))
+
+
+def _save(cfg: TrainConfig) -> str:
+    os.makedirs(cfg.output, exist_ok=True)
+    path = os.path.join(cfg.output, "config.json")
+    cfg.dump(path)
+    pretty = "\n".join(f"  {k}: {v}" for k, v in cfg.to_dict().items())
+    print(f"resolved config (saved to {path}):\n{pretty}", flush=True)
+    return path

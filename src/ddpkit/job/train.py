@@ -1,0 +1,127 @@
+"""The main job on every rank: build data, model, optimizer and schedule from a ``TrainConfig``,
+then :func:`ddpkit.fit`. ``python -m ddpkit.job.train CONFIG.json`` is the worker entry that
+``ddpkit train`` launches; :mod:`.start` decides how.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+from .. import comm
+from ..log import RunLogger, banner
+from ..loop import CheckpointPolicy, FitConfig, TrainState, fit
+from ..precision import Precision
+from ..runtime import setup
+from ..seed import seed_everything
+from .build import build_datasets, build_optimizer, build_scheduler, build_wrapped_model
+from .check import check_config, micro_batch_size
+from .config import TrainConfig, config_from_dict
+
+__all__ = ["train", "main"]
+
+
+def fit_config(cfg: TrainConfig, rt: Any, test_set: Any, scheduler: Any,
+               interval: str) -> FitConfig:
+    """The :class:`~ddpkit.loop.FitConfig` that ``cfg`` asks for (the job's objects included).
+
+    Example::
+
+        fit(rt, model, optimizer, loader, fit_config(cfg, rt, test_set, None, "epoch"))
+    """
+    policy = CheckpointPolicy(os.path.join(cfg.output, "checkpoints"), cfg.ckpt_every_steps,
+                              cfg.ckpt_every_minutes, cfg.ckpt_every_epoch, cfg.ckpt_keep,
+                              cfg.resume)
+    return FitConfig(
+        epochs=cfg.epochs, precision=Precision(cfg.precision, rt.device),
+        accum_steps=cfg.accum_steps, clip_norm=cfg.clip_grad, scheduler=scheduler,
+        scheduler_interval=interval, eval_data=test_set, eval_every=cfg.eval_every,
+        eval_batch_size=cfg.eval_batch_size, logger=RunLogger(cfg.output), checkpoint=policy,
+        max_steps=cfg.max_steps, skip_nonfinite=cfg.skip_nonfinite,
+        channels_last=cfg.channels_last, log_every=cfg.log_every, progress=cfg.progress,
+        config=cfg.to_dict())
+
+
+def train(cfg: TrainConfig) -> TrainState:
+    """Run one training job on this process (call it on every rank).
+
+    Example::
+
+        state = train(TrainConfig(epochs=2, nproc=1))
+        print(state.best)
+    """
+    rt = setup(backend=cfg.backend, accelerator=cfg.accelerator, seed=cfg.seed,
+               timeout=timedelta(seconds=cfg.timeout_s), deterministic=cfg.deterministic,
+               engine=cfg.strategy)
+    check_config(cfg, rt.world_size, rt.device.type == "cuda")
+    banner(rt.env, rt.device, rt.backend)
+    train_set, test_set = build_datasets(cfg)
+    model = build_wrapped_model(cfg, rt, train_set)
+    # Weights were initialised identically; from here on each rank gets its own random stream,
+    # so augmentation done in the main process (workers=0) differs between ranks.
+    seed_everything(cfg.seed, rank_offset=1 + rt.rank)
+    micro = micro_batch_size(cfg, rt.world_size)
+    loader = rt.loader(train_set, batch_size=cfg.batch_size, per_rank_batch=micro,
+                       seed=cfg.seed, num_workers=cfg.workers)
+    # The engine's optimizer: Horovod's DistributedOptimizer (--comm-hook fp16 compresses there).
+    optimizer = rt.optimizer(build_optimizer(cfg, model), model, cfg.accum_steps,
+                             compression=cfg.comm_hook)
+    scheduler, interval = build_scheduler(cfg, optimizer,
+                                          math.ceil(len(loader) / cfg.accum_steps))
+    comm.print0(f"train: {len(train_set)} samples, test: {len(test_set)} samples, "
+                f"{len(loader)} micro-batches of {micro} per process per epoch")
+    state = fit(rt, model, optimizer, loader, fit_config(cfg, rt, test_set, scheduler, interval))
+    _report(cfg, state)
+    rt.shutdown()
+    return state
+
+
+def _report(cfg: TrainConfig, state: TrainState) -> None:
+    if not comm.is_main() or not state.history:
+        return
+    last = state.history[-1]
+    summary = {"final": last, "best_top1": state.best, "best_epoch": state.best_epoch,
+               "steps": state.step, "epochs": state.epoch}
+    with open(os.path.join(cfg.output, "results.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if "eval/top1" in last:
+        print(f"final: top-1 {last['eval/top1']:.2f}% on {last['eval/count']} test samples "
+              f"(best {state.best:.2f}% at epoch {state.best_epoch}); run dir {cfg.output}",
+              flush=True)
+
+
+USAGE = ("usage: python -m ddpkit.job.train CONFIG.json\n\nThe worker of `ddpkit train`: runs "
+         "the job in CONFIG.json (the resolved config `ddpkit train` writes into its run "
+         "directory) on this rank. Start jobs with `ddpkit train`; see `ddpkit train --help`.")
+
+
+def main(argv: Any = None) -> int:
+    """Worker entry: ``python -m ddpkit.job.train RESOLVED_CONFIG.json``.
+
+    Example::
+
+        main(["runs/demo/config.json"])
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if len(args) != 1:
+        print(USAGE.splitlines()[0] + " (normally started by `ddpkit train`)", file=sys.stderr)
+        return 2
+    try:
+        with open(args[0]) as f:
+            values = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot read the job config {args[0]!r} ({exc}); pass the config.json "
+              "that `ddpkit train` wrote", file=sys.stderr)
+        return 2
+    train(config_from_dict(values))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""``ddpkit slurm``: an sbatch script that runs ``ddpkit run`` once per node of an allocation.
+
+Pure text rendering with its arguments checked; nothing here talks to Slurm.
+"""
+from __future__ import annotations
+
+import shlex
+from typing import Sequence
+
+from ..errors import ConfigError
+
+__all__ = ["render_sbatch", "DEFAULT_PORT"]
+
+#: The rendezvous port on the head node.
+DEFAULT_PORT = 29500
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Raise ConfigError unless ``value`` is an int in ``[low, high]``."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if not ok or (high is not None and value > high):  # type: ignore[operator]
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ConfigError(f"bad {name}={value!r}; it must be an integer {bound}")
+
+
+def _check_directive(name: str, value: object) -> None:
+    """Raise ConfigError unless ``value`` is a non-empty string without whitespace."""
+    if not isinstance(value, str) or not value or any(ch.isspace() for ch in value):
+        raise ConfigError(f"bad {name}={value!r}; it must be a non-empty string without spaces or newlines")
+
+
+def _check_sbatch_args(
+    nodes: int, gpus_per_node: int, script: str, script_args: Sequence[str],
+    cpus_per_task: int | None, port: int, extra_sbatch: Sequence[str],
+) -> None:
+    """Validate the numeric and free-text arguments of :func:`render_sbatch`."""
+    _check_int("nodes", nodes, 1)
+    _check_int("gpus_per_node", gpus_per_node, 0)
+    _check_int("port", port, 1, 65535)
+    if cpus_per_task is not None:
+        _check_int("cpus_per_task", cpus_per_task, 1)
+    if not isinstance(script, str) or not script.strip():
+        raise ConfigError(f"bad script={script!r}; pass the path of the training script to run")
+    for name, seq in (("script_args", script_args), ("extra_sbatch", extra_sbatch)):
+        if isinstance(seq, str) or not all(isinstance(s, str) for s in seq):
+            raise ConfigError(f"bad {name}={seq!r}; pass a list of strings")
+    for line in extra_sbatch:
+        if not line.strip() or "\n" in line or "\r" in line:
+            raise ConfigError(f"bad extra_sbatch line {line!r}; pass one non-empty option per item, e.g. '--mem=64G'")
+
+
+def _directive(line: str) -> str:
+    """Turn ``"--mem=64G"`` or ``"#SBATCH --mem=64G"`` into an ``#SBATCH`` line."""
+    line = line.strip()
+    return line if line.startswith("#SBATCH") else f"#SBATCH {line}"
+
+
+def render_sbatch(
+    nodes: int,
+    gpus_per_node: int,
+    script: str,
+    script_args: Sequence[str] = (),
+    job_name: str = "ddpkit",
+    time: str = "01:00:00",
+    partition: str | None = None,
+    cpus_per_task: int | None = None,
+    port: int = DEFAULT_PORT,
+    extra_sbatch: Sequence[str] = (),
+    rdzv_timeout: int | None = None,
+    max_restarts: int = 0,
+) -> str:
+    """Render an sbatch script running ``ddpkit run`` on ``nodes`` x ``gpus_per_node``.
+
+    One launcher task per node; each spawns ``gpus_per_node`` workers (1 on CPU
+    nodes, where ``--gres`` is omitted) and joins a c10d rendezvous on the head node.
+    ``rdzv_timeout``: seconds every node has to join; ``max_restarts``: whole-group restarts
+    after a worker dies (the script resumes from its checkpoints).
+
+    Example::
+
+        text = render_sbatch(2, 4, "train.py", ["--epochs", "10"], partition="gpu")
+        # write `text` to job.sh, then: sbatch job.sh
+    """
+    _check_sbatch_args(nodes, gpus_per_node, script, script_args, cpus_per_task, port, extra_sbatch)
+    if rdzv_timeout is not None:
+        _check_int("rdzv_timeout", rdzv_timeout, 1)
+    _check_int("max_restarts", max_restarts, 0)
+    _check_directive("job_name", job_name)
+    _check_directive("time", time)
+    if partition is not None:
+        _check_directive("partition", partition)
+    nproc = gpus_per_node or 1
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --time={time}",
+    ]
+    lines += [f"#SBATCH --gres=gpu:{gpus_per_node}"] if gpus_per_node else []
+    lines += [f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task is not None else []
+    lines += [f"#SBATCH --partition={partition}"] if partition is not None else []
+    lines += [_directive(line) for line in extra_sbatch]
+    command = " ".join(shlex.quote(arg) for arg in [script, *script_args])
+    options = (f" --rdzv-timeout {rdzv_timeout}" if rdzv_timeout is not None else "") + \
+        (f" --max-restarts {max_restarts}" if max_restarts else "")
+    lines += [
+        "",
+        "set -euo pipefail",
+        "",
+        "# First allocated host runs the c10d rendezvous store (sed reads all input: no SIGPIPE under pipefail).",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+        "",
+        "# One launcher per node; node ranks come from the rendezvous.",
+        f'srun ddpkit run --nnodes "$SLURM_NNODES" --nproc {nproc} '
+        f'--rdzv-endpoint "$head_node:{port}" --rdzv-id "$SLURM_JOB_ID"{options} {command}',
+    ]
+    return "\n".join(lines) + "\n"

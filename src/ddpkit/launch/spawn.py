@@ -1,0 +1,97 @@
+"""``ddpkit.launch``: run a Python function on N local processes (``torch.multiprocessing``),
+each with torchrun-style variables so ``ddpkit.setup()`` inside it just works.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+import torch.multiprocessing as mp
+
+from ..crash import is_peer_failure
+from ..dist import shutdown
+from ..env import spawn_env, to_environ
+from ..errors import ConfigError
+from .network import free_port
+
+__all__ = ["launch", "LaunchError"]
+
+
+class LaunchError(RuntimeError):
+    """A worker failed; the message names the rank and carries its traceback."""
+
+
+def _spawned(index: int, fn: Callable[..., Any], args: tuple, nprocs: int, port: int,
+             result_dir: str) -> None:
+    os.environ.update(to_environ(spawn_env(index, nprocs, "127.0.0.1", port)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    try:
+        result = fn(*args)
+        if index == 0:
+            with open(os.path.join(result_dir, "result.pkl"), "wb") as f:
+                pickle.dump(result, f)
+    except Exception as exc:
+        if is_peer_failure(exc):
+            time.sleep(5)  # let the rank that failed first be the one reported (we get stopped)
+        raise
+    finally:
+        shutdown()
+
+
+def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: Optional[float] = None,
+           start_method: str = "spawn") -> Any:
+    """Run ``fn(*args)`` on ``nprocs`` local processes and return rank 0's result.
+
+    Each process sees torchrun-style variables, so ``ddpkit.setup()`` inside ``fn`` just works.
+    When one rank fails the others are stopped and its traceback is raised here; past
+    ``timeout`` seconds every rank is stopped and :class:`TimeoutError` raised (no hang).
+    ``fn`` must be importable (defined in a module) with the default ``spawn`` start method;
+    in a notebook pass ``start_method="fork"``.
+
+    Example::
+
+        def train(lr):
+            rt = ddpkit.setup()
+            ...
+            return final_accuracy
+
+        acc = ddpkit.launch(train, 2, 0.1)
+    """
+    if nprocs < 1:
+        raise ConfigError(f"nprocs must be >= 1, got {nprocs}")
+    result_dir = tempfile.mkdtemp(prefix="ddpkit-launch-")
+    try:
+        ctx = mp.start_processes(_spawned, args=(fn, args, nprocs, free_port(), result_dir),
+                                 nprocs=nprocs, join=False, start_method=start_method)
+        _join(ctx, timeout)
+        with open(os.path.join(result_dir, "result.pkl"), "rb") as f:
+            return pickle.load(f)
+    finally:
+        shutil.rmtree(result_dir, ignore_errors=True)
+
+
+def _join(ctx: Any, timeout: Optional[float]) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=0.2):
+            if deadline is not None and time.monotonic() > deadline:
+                _terminate(ctx)
+                raise TimeoutError(f"ranks still running after {timeout:.0f} s; all stopped")
+    except mp.ProcessRaisedException as exc:
+        raise LaunchError(f"rank {exc.error_index} failed:\n{exc}") from None
+    except mp.ProcessExitedException as exc:
+        raise LaunchError(f"rank {exc.error_index} exited with code {exc.exit_code}") from None
+
+
+def _terminate(ctx: Any) -> None:
+    for proc in ctx.processes:
+        with contextlib.suppress(Exception):
+            if proc.is_alive():
+                proc.kill()
+    for proc in ctx.processes:
+        proc.join(5)

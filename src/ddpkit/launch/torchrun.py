@@ -1,0 +1,225 @@
+"""``ddpkit run``: check the request, then hand over to torchrun's own entry point in-process
+(the elastic agent: restarts, rendezvous, signal handling), with one line for each failure.
+"""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..crash import LAUNCHER_PID_VAR
+from ..errors import ConfigError
+from . import network as net, watchdog
+from .network import port_in_use
+
+__all__ = ["RunConfig", "run", "torchrun_args", "resolve_nproc"]
+
+def resolve_nproc(nproc: str | int, cuda_count: Optional[int] = None) -> int:
+    """``auto`` means one process per GPU, or one per CPU core without GPUs.
+
+    Example::
+
+        resolve_nproc("auto")   # 2 on a 2-core CPU machine
+    """
+    if str(nproc) == "auto":
+        count = torch.cuda.device_count() if cuda_count is None else cuda_count
+        return count or (os.cpu_count() or 1)
+    try:
+        value = int(nproc)
+    except ValueError:
+        raise ConfigError(f"--nproc must be a positive integer or 'auto', got {nproc!r}") from None
+    if value < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {value}")
+    return value
+
+
+@dataclass
+class RunConfig:
+    """What ``ddpkit run`` was asked for (the CLI parses into this).
+
+    Example::
+
+        RunConfig(script="train.py", script_args=["--epochs", "2"], nproc="2")
+    """
+
+    script: str
+    script_args: List[str] = field(default_factory=list)
+    nproc: str | int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: Optional[str] = None
+    rdzv_timeout: Optional[float] = None
+    max_restarts: int = 0
+    module: bool = False
+    iface: Optional[str] = None
+    log_dir: Optional[str] = None
+    verbose: bool = False
+
+
+def _validate(cfg: RunConfig) -> int:
+    nproc = resolve_nproc(cfg.nproc)
+    if cfg.nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1, got {cfg.nnodes}")
+    if not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ConfigError(f"--node-rank {cfg.node_rank} is impossible with --nnodes "
+                          f"{cfg.nnodes} (node ranks run from 0 to {cfg.nnodes - 1})")
+    if cfg.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
+    if cfg.rdzv_timeout is not None and cfg.rdzv_timeout < 1:
+        raise ConfigError(f"--rdzv-timeout must be >= 1 second, got {cfg.rdzv_timeout:g}")
+    if not cfg.module and not os.path.isfile(cfg.script):
+        raise ConfigError(f"script {cfg.script!r} does not exist (relative to {os.getcwd()})")
+    if cfg.nnodes > 1 and not (cfg.rdzv_endpoint or cfg.master_addr):
+        raise ConfigError("several nodes need a meeting point: pass --rdzv-endpoint HOST:PORT "
+                          "(or --master-addr/--master-port) with the same value on every node")
+    if cfg.master_port is not None and cfg.node_rank == 0:
+        host = cfg.master_addr or "127.0.0.1"
+        if port_in_use(host, cfg.master_port):
+            raise ConfigError(f"master port {cfg.master_port} on {host} is already in use; "
+                              "choose another --master-port, or omit it to pick a free one")
+    return nproc
+
+
+def torchrun_args(cfg: RunConfig, nproc: int, extra: Sequence[str] = ()) -> List[str]:
+    """The ``torchrun`` argument list equivalent to ``cfg`` (``extra`` goes before the script).
+
+    Example::
+
+        torchrun_args(RunConfig("t.py", nproc=2), 2)   # ['--nnodes', '1', ...]
+    """
+    args = ["--nnodes", str(cfg.nnodes), "--nproc-per-node", str(nproc),
+            "--max-restarts", str(cfg.max_restarts)]
+    if cfg.rdzv_endpoint:
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint,
+                 "--rdzv-id", cfg.rdzv_id or "ddpkit"]
+    elif cfg.master_addr or cfg.master_port is not None:
+        args += ["--node-rank", str(cfg.node_rank),
+                 "--master-addr", cfg.master_addr or "127.0.0.1",
+                 "--master-port", str(cfg.master_port or 29500)]
+    if cfg.log_dir:
+        args += ["--log-dir", cfg.log_dir]
+    args += list(extra)
+    if cfg.module:
+        args.append("--module")
+    return args + [cfg.script, *cfg.script_args]
+
+
+def _child_environment(nproc: int, iface: Optional[str]) -> None:
+    # Split the cores instead of letting torchrun force one thread per process.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    os.environ.update(net.socket_env(iface))
+
+
+def _static_checks(cfg: RunConfig) -> None:
+    """--master-addr runs: node rank 0 must be the master's machine; others must reach it.
+
+    (Another rank on the master's machine is allowed: several launchers on one host.)"""
+    host = cfg.master_addr or "127.0.0.1"
+    if ipaddress.ip_address(net.resolve(host)).is_loopback:
+        return  # every "node" on this one machine
+    hosting = net.is_local(host)
+    if cfg.node_rank == 0 and not hosting:
+        raise ConfigError(f"--node-rank 0 must run on the --master-addr host {host}, which is "
+                          "not an address of this node: give this node another --node-rank")
+    if not hosting:
+        net.check_reachable(host, cfg.master_port or 29500)
+
+
+def _network(cfg: RunConfig) -> Tuple[List[str], net.NodeNetwork]:
+    """Several nodes: check the meeting point and pick the interface; extra torchrun flags.
+
+    c10d (``--rdzv-endpoint``): who serves the store, the address to publish, the interface
+    that routes to the endpoint, a fresh store per rendezvous round. Static (``--master-addr``):
+    the ``--node-rank 0`` / reachability checks and the join timeout."""
+    given = net.NodeNetwork(cfg.iface, None, is_host=False)
+    if cfg.nnodes <= 1:
+        return [], given
+    if not cfg.rdzv_endpoint:
+        _static_checks(cfg)
+        return (["--rdzv-conf", f"timeout={int(cfg.rdzv_timeout)}"] if cfg.rdzv_timeout
+                else []), given
+    plan = net.node_network(cfg.rdzv_endpoint, cfg.iface)
+    # A fresh store per rendezvous round (served by worker rank 0): no stale keys after a
+    # restart, whatever each node's restart count (see ddpkit.dist).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return net.torchrun_extra_args(plan, cfg.rdzv_timeout), plan
+
+
+def _guard(cfg: RunConfig, is_host: bool) -> Any:
+    """Several nodes meeting at a c10d endpoint: the --nnodes check and the agent watchdog."""
+    if cfg.nnodes <= 1 or not cfg.rdzv_endpoint:
+        return contextlib.nullcontext()
+    watchdog.watch_nnodes(cfg.rdzv_endpoint, cfg.nnodes, cfg.rdzv_id or "ddpkit",
+                     cfg.rdzv_timeout or 600.0, is_host=is_host)
+    return watchdog.AgentWatchdog(cfg.rdzv_endpoint)
+
+
+def run(cfg: RunConfig) -> int:
+    """Launch ``cfg.script`` on ``nproc`` processes per node through torchrun; returns the exit code.
+
+    On several nodes (:mod:`.network`, :mod:`.watchdog`): the endpoint is checked first, the node that holds its
+    address serves the store, gloo/NCCL use the interface that routes there (or ``iface``), a
+    node with another ``--nnodes`` and an agent cut off from the store stop with one line, and
+    rendezvous failures raise a one-line :class:`ConfigError`. Workers that call
+    ``ddpkit.setup()`` die with this process.
+
+    Example::
+
+        code = run(RunConfig("train.py", ["--epochs", "1"], nproc=2))
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    nproc = _validate(cfg)
+    extra, plan = _network(cfg)
+    _child_environment(nproc, plan.iface)
+    if not cfg.verbose:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    previous_pid = os.environ.get(LAUNCHER_PID_VAR)
+    os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # workers die with this process
+    try:
+        with _guard(cfg, plan.is_host):
+            torchrun(parse_args(torchrun_args(cfg, nproc, extra)))
+    except ChildFailedError as exc:
+        rank, failure = _root_cause(exc)
+        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
+               else f"signal {-failure.exitcode}")
+        print(f"ddpkit run: rank {rank} failed ({how}); its error is printed above",
+              flush=True, file=sys.stderr)
+        return code
+    except Exception as exc:
+        if cfg.nnodes <= 1:
+            raise
+        endpoint = cfg.rdzv_endpoint or f"{cfg.master_addr}:{cfg.master_port or 29500}"
+        failure = net.rendezvous_failure(exc, endpoint, cfg.nnodes, cfg.rdzv_timeout)
+        if failure is None:
+            raise
+        raise failure from None
+    finally:
+        if previous_pid is None:
+            os.environ.pop(LAUNCHER_PID_VAR, None)
+        else:
+            os.environ[LAUNCHER_PID_VAR] = previous_pid
+    return 0
+
+
+def _root_cause(exc: Any) -> Any:
+    """The failure that started it: ranks that recorded an error beat those that lost a peer."""
+    recorded = {r: f for r, f in exc.failures.items()
+                if isinstance(f.error_file_data.get("message"), dict)}
+    if recorded:
+        rank = min(recorded, key=lambda r: (recorded[r].timestamp, r))
+        return rank, recorded[rank]
+    return exc.get_first_failure()

@@ -1,0 +1,154 @@
+"""Watchdogs around torchrun's agent on several nodes: a node whose workers are gone but whose
+agent is stuck on the store exits, and a node started with another ``--nnodes`` stops at once.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .network import split_endpoint
+
+__all__ = ["children", "AgentWatchdog", "watch_nnodes"]
+
+
+def _stat(pid: str) -> Optional[Tuple[int, str]]:
+    """(parent pid, state letter) of ``pid`` from /proc, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # the command name may contain spaces and ')'
+    return int(fields[1]), fields[0]
+
+
+def children(pid: Optional[int] = None) -> Dict[int, str]:
+    """Child pid -> state letter (``R``, ``S``, ``Z`` for exited-but-not-reaped...) on Linux.
+
+    Example::
+
+        children()   # {4242: 'S'}
+    """
+    parent = os.getpid() if pid is None else pid
+    found: Dict[int, str] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        info = _stat(entry) if entry.isdigit() else None
+        if info is not None and info[0] == parent:
+            found[int(entry)] = info[1]
+    return found
+
+
+class AgentWatchdog:
+    """Exit when this process's workers have all exited but it has not reaped them for ``grace`` s.
+
+    torchrun's agent polls its workers between rendezvous-store calls; on a node cut off
+    from the store a call can block for many minutes, so dead workers stay unreaped zombies
+    and the launcher hangs. Used around the in-process torchrun call in ``ddpkit run``.
+
+    Example::
+
+        with AgentWatchdog("10.213.0.1:29400", grace=20):
+            torchrun(args)
+    """
+
+    def __init__(self, endpoint: str, grace: float = 20.0, interval: float = 1.0,
+                 exit: Callable[[int], Any] = os._exit,
+                 list_children: Callable[[], Dict[int, str]] = children) -> None:
+        self.endpoint, self.grace, self.interval = endpoint, grace, interval
+        self._exit, self._children = exit, list_children
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ddpkit-agent-watchdog",
+                                        daemon=True)
+
+    def __enter__(self) -> "AgentWatchdog":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        since: Optional[float] = None
+        while not self._stop.wait(self.interval):
+            kids = self._children()
+            all_dead = bool(kids) and all(state in "ZX" for state in kids.values())
+            since = (since or time.monotonic()) if all_dead else None
+            if since is not None and time.monotonic() - since >= self.grace:
+                self._give_up(sorted(kids))
+                return
+
+    def _give_up(self, pids: List[int]) -> None:
+        code = 1
+        for pid in pids:  # reap them ourselves: the agent never will
+            try:
+                _, status = os.waitpid(pid, os.WNOHANG)
+                code = max(code, os.waitstatus_to_exitcode(status) if status else 1)
+            except (ChildProcessError, OSError):
+                pass
+        sys.stderr.write(f"ddpkit run: this node's workers exited {self.grace:.0f} s ago but "
+                         f"torchrun's agent is stuck on the rendezvous store {self.endpoint} "
+                         "(network partition, or the store's node is gone); exiting\n")
+        sys.stderr.flush()
+        self._exit(code if code > 0 else 1)
+
+
+def _tcp_store(endpoint: str, timeout: float) -> Any:
+    from torch.distributed import TCPStore
+
+    host, port = split_endpoint(endpoint)
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def watch_nnodes(endpoint: str, nnodes: int, run_id: str = "ddpkit", timeout: float = 600.0,
+                 is_host: bool = False, exit: Callable[[int], Any] = os._exit,
+                 connect: Callable[[str, float], Any] = _tcp_store,
+                 list_children: Callable[[], Dict[int, str]] = children) -> threading.Thread:
+    """Start a thread that stops this node with one line if a node of the same rendezvous was
+    started with another ``--nnodes`` (torchrun would wait out its join timeout instead).
+
+    The first node records its ``nnodes`` in the rendezvous store; a node that disagrees says
+    so there too, so both sides exit. ``is_host``: this node serves the store, so it lingers
+    a moment before exiting to let the others read why. The watch ends once this process has
+    children (``list_children``: the workers started). Best effort: store errors are left to
+    torchrun.
+
+    Example::
+
+        watch_nnodes("10.213.0.1:29400", nnodes=2)
+    """
+    key, conflict = f"ddpkit/{run_id}/nnodes", f"ddpkit/{run_id}/nnodes-conflict"
+
+    def fail(other: str, linger: float) -> None:
+        sys.stderr.write(f"error: this node was started with --nnodes {nnodes} but another node "
+                         f"of the rendezvous at {endpoint} with --nnodes {other}: use the same "
+                         "--nnodes on every node\n")
+        sys.stderr.flush()
+        time.sleep(linger)
+        exit(2)
+
+    def watch() -> None:
+        try:
+            store = connect(endpoint, timeout)
+            seen = store.compare_set(key, "", str(nnodes)).decode()
+            if seen != str(nnodes):
+                store.set(conflict, str(nnodes))
+                return fail(seen, 1.5 if is_host else 0.0)  # the others poll every 0.5 s
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not list_children():  # until workers start
+                if store.check([conflict]):
+                    return fail(store.get(conflict).decode(), 0.0)
+                time.sleep(0.5)
+        except Exception:  # noqa: BLE001 - torchrun reports store trouble in its own words
+            return
+
+    thread = threading.Thread(target=watch, name="ddpkit-nnodes-check", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,98 @@
+"""Tests for ddpkit.crash: workers that die with their launcher, collective timeouts in one line."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+# ----------------------------------------------------------------------------- workers die too
+
+LAUNCHER = """import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+WORKER = """import os, sys, time
+from ddpkit.crash import die_with_launcher
+armed = die_with_launcher({"DDPKIT_LAUNCHER_PID": str(os.getppid())})
+open(sys.argv[1], "w").write("armed" if armed else "no-op")
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_dies_with_its_launcher(tmp_path):
+    """Like torchrun's workers (own session): kill -9 the launcher, the worker follows."""
+    log = tmp_path / "worker.out"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, str(log)],
+                                stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = int(launcher.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not log.exists() or not log.read_text():
+            assert time.monotonic() < deadline, "the worker never started"
+            time.sleep(0.1)
+        assert log.read_text() == "armed"
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 5
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker), "the worker outlived its launcher"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+        if worker is not None and _alive(worker):
+            os.kill(worker, 9)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def test_die_with_launcher_is_a_no_op_for_other_launchers():
+    from ddpkit.crash import die_with_launcher
+
+    assert not die_with_launcher({})
+    assert not die_with_launcher({"DDPKIT_LAUNCHER_PID": str(os.getppid() + 1)})
+
+
+# ----------------------------------------------------------------------------- collective timeouts
+
+def test_a_gloo_timeout_is_one_line_naming_the_collective():
+    import torch.distributed as tdist
+
+    from ddpkit.crash import collective_timeout
+
+    gloo = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms "
+                        "for recv operation to complete")
+    try:  # a traceback through torch.distributed's all_reduce, called from this file
+        def all_reduce(*args, **kwargs):
+            raise gloo
+        all_reduce.__code__ = all_reduce.__code__.replace(co_filename=tdist.distributed_c10d.__file__)
+        all_reduce()
+    except RuntimeError as exc:
+        line = collective_timeout(exc)
+    assert line.startswith("collective all_reduce timed out after 6 s (called at test_crash.py:")
+    assert "gloo: Timed out waiting 6000ms for recv operation to complete): a peer rank " in line
+    assert "--iface" in line and "\n" not in line
+    fresh = RuntimeError(str(gloo))  # no traceback: nothing to name
+    assert collective_timeout(fresh).startswith("a collective timed out after 6 s (gloo: ")
+
+
+def test_an_nccl_timeout_names_the_op_and_other_errors_are_left_alone():
+    from ddpkit.crash import collective_timeout
+
+    nccl = RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+                        "OpType=ALLREDUCE, NumelIn=10, NumelOut=10, Timeout(ms)=600000) ran for "
+                        "600012 milliseconds before timing out.")
+    assert collective_timeout(nccl, None).startswith("collective allreduce timed out after 600 s")
+    assert collective_timeout(ValueError("bad input"), None) is None

@@ -1,0 +1,96 @@
+"""Tests for ddpkit.launch.sbatch: the sbatch script `ddpkit slurm` prints.
+
+Pure text, so no Slurm installation is needed (only bash for the syntax check).
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from ddpkit.errors import ConfigError
+from ddpkit.launch.sbatch import render_sbatch
+
+
+def test_render_sbatch_gpu_contents() -> None:
+    text = render_sbatch(
+        2, 4, "train.py", ["--name", "my run", "--lr=1e-3"],
+        job_name="exp1", time="02:00:00", partition="gpu", cpus_per_task=32, port=29400,
+        extra_sbatch=["--mem=64G", "#SBATCH --exclusive"],
+    )
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for directive in [
+        "--nodes=2", "--ntasks-per-node=1", "--gres=gpu:4", "--cpus-per-task=32",
+        "--time=02:00:00", "--job-name=exp1", "--partition=gpu", "--mem=64G", "--exclusive",
+    ]:
+        assert f"#SBATCH {directive}" in lines
+    assert "set -euo pipefail" in lines
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    srun = [line for line in lines if line.startswith("srun ")]
+    assert len(srun) == 1
+    assert "ddpkit run" in srun[0]
+    assert '--nnodes "$SLURM_NNODES"' in srun[0]
+    assert "--nproc 4 " in srun[0]
+    assert '--rdzv-endpoint "$head_node:29400"' in srun[0]
+    assert '--rdzv-id "$SLURM_JOB_ID"' in srun[0]
+    assert srun[0].endswith("train.py --name 'my run' --lr=1e-3")
+    # All directives precede the first command, or sbatch ignores them.
+    last_directive = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    assert last_directive < lines.index("set -euo pipefail")
+
+
+def test_render_sbatch_cpu_nodes_omit_gres() -> None:
+    text = render_sbatch(3, 0, "train.py")
+    assert "--gres" not in text
+    assert "#SBATCH --nodes=3" in text
+    assert "--nproc 1 " in text
+    assert "--partition" not in text
+    assert "--cpus-per-task" not in text
+    assert '--rdzv-endpoint "$head_node:29500"' in text
+
+
+def test_render_sbatch_quotes_hostile_script_path() -> None:
+    text = render_sbatch(1, 1, "my dir/train $HOME.py", ["a;b", "`x`"])
+    assert "'my dir/train $HOME.py' 'a;b' '`x`'" in text
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(nodes=2, gpus_per_node=4, script="train.py", script_args=["--name", "my run", "it's"]),
+        dict(nodes=1, gpus_per_node=0, script="dir with space/t.py", partition="cpu", cpus_per_task=8),
+    ],
+)
+def test_render_sbatch_passes_bash_n(kwargs) -> None:
+    text = render_sbatch(**kwargs)
+    result = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(nodes=0), "nodes"),
+        (dict(nodes=True), "nodes"),
+        (dict(gpus_per_node=-1), "gpus_per_node"),
+        (dict(port=0), "port"),
+        (dict(port=65536), "port"),
+        (dict(script=""), "script"),
+        (dict(script="   "), "script"),
+        (dict(cpus_per_task=0), "cpus_per_task"),
+        (dict(script_args="--epochs 3"), "script_args"),
+        (dict(job_name="my job"), "job_name"),
+        (dict(time=""), "time"),
+        (dict(partition="gpu\n#SBATCH --x"), "partition"),
+        (dict(extra_sbatch=["--mem=1G\nrm -rf /"]), "extra_sbatch"),
+    ],
+)
+def test_render_sbatch_validation(kwargs, word: str) -> None:
+    args = dict(nodes=2, gpus_per_node=4, script="train.py")
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=word) as info:
+        render_sbatch(**args)
+    assert "\n" not in str(info.value)
