@@ -11,7 +11,7 @@ import torch
 
 from ddpkit.engines import horovod as horovod_engine
 from ddpkit.engines.horovod import HorovodEngine
-from ddpkit.launch import horovodrun
+from ddpkit.launch import horovodrun as hvdrun
 from ddpkit.wrap import WrapOptions
 from ddpkit.checkpoint import find_latest
 from ddpkit.job.config import TrainConfig
@@ -31,7 +31,7 @@ def test_started_by_horovodrun_is_detected_from_its_environment():
 
 
 def test_launch_args_use_gloo_on_this_host():
-    args = horovodrun.launch_args(3, ["python", "-m", "ddpkit.job.train", "c.json"], 30)
+    args = hvdrun.launch_args(3, ["python", "-m", "ddpkit.job.train", "c.json"], 30)
     assert args == ["-np", "3", "-H", "localhost:3", "--gloo", "--start-timeout", "30",
                     "python", "-m", "ddpkit.job.train", "c.json"]
 
@@ -138,7 +138,7 @@ def test_a_user_script_under_horovodrun_must_wrap_its_optimizer():
     def horovodrun(mode):
         cmd = [sys.executable, "-c",
                "from horovod.runner.launch import run_commandline; run_commandline()",
-               *horovodrun.launch_args(2, [sys.executable, script, mode])]
+               *hvdrun.launch_args(2, [sys.executable, script, mode])]
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
     ok = horovodrun("wrapped")

@@ -165,3 +165,30 @@ def test_topk_correct_counts():
     logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.05, 0.15], [0.2, 0.3, 0.5]])
     target = torch.tensor([1, 2, 0])
     assert topk_correct(logits, target, (1, 2, 5)) == [1, 2, 3]
+
+
+def test_fit_takes_a_fit_config_and_keywords_over_it():
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    cfg = ddpkit.FitConfig(epochs=3, accum_steps=2, progress=False)
+    state = fit(rt, net, opt, rt.loader(data(), 10), cfg, epochs=1)  # keywords win
+    assert (state.epoch, state.step) == (1, 2)
+    with pytest.raises(ddpkit.DDPKitError, match="scheduler_interval must be 'step' or 'epoch'"):
+        ddpkit.FitConfig(epochs=1, scheduler_interval="batch")
+
+
+def test_a_compiled_model_checkpoints_plain_keys_that_load_into_a_plain_model(tmp_path):
+    rt, net = runtime(), model()
+    compiled = torch.compile(net, backend="eager")  # the eager backend: no C++ compiler needed
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    fit(rt, compiled, opt, rt.loader(data(), 10), epochs=1, progress=False,
+        checkpoint=CheckpointPolicy(str(tmp_path)))
+    assert ddpkit.unwrap(compiled) is net
+    from ddpkit.checkpoint import find_latest
+    saved = find_latest(tmp_path)[1]["model"]
+    assert list(saved) == list(net.state_dict())  # no `_orig_mod.` prefix
+    plain = model()
+    plain.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
+                                                 net.state_dict().values()))

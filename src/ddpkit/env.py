@@ -201,5 +201,3 @@ def to_environ(env: ClusterEnv) -> dict[str, str]:
            "LOCAL_WORLD_SIZE": env.local_world_size, "GROUP_RANK": env.node_rank,
            "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}
     return {k: str(v) for k, v in out.items() if v is not None}
-
-

@@ -15,4 +15,9 @@ class DDPKitError(Exception):
 
 
 class ConfigError(DDPKitError):
-    """Invalid configuration: flags, config file, environment variables."""
+    """Invalid configuration: flags, config file, environment variables.
+
+    Example::
+
+        raise ConfigError("--accum-steps must be >= 1, got 0")
+    """

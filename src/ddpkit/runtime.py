@@ -5,7 +5,6 @@ does one job (engines, env, dist, data, comm, evaluate).
 """
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from datetime import timedelta
@@ -20,7 +19,6 @@ from .crash import install_error_hook
 from .data import DistributedLoader, make_loader
 from .dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device, shutdown
 from .env import ClusterEnv
-from .errors import DDPKitError
 from .evaluate import evaluate
 from .seed import seed_everything, set_deterministic
 from .wrap import WrapOptions, unwrap
@@ -68,8 +66,7 @@ class Runtime:
 
             model = rt.wrap(Net(), sync_bn=True)
         """
-        if strategy is not None and strategy != self.engine.name and not (
-                strategy == "ddp" and self.engine.name == "horovod"):
+        if strategy is not None and not self.engine.serves(strategy):
             self.engine = engines.create(strategy)
         return self.engine.wrap(model, self.env, self.device, WrapOptions(**options))
 
@@ -151,18 +148,6 @@ class Runtime:
                 f"launcher={self.env.launcher})")
 
 
-def _choose_engine(engine: str, env: Optional[ClusterEnv]) -> engines.Engine:
-    if engine == "torch":  # the name before engines were objects: torch.distributed + DDP
-        engine = "ddp"
-    if engine == "auto":
-        started = env is None and engines.horovod.started_by_horovod(os.environ)
-        engine = "horovod" if started else "ddp"
-    if engine not in engines.STRATEGIES:
-        raise DDPKitError(f"unknown engine {engine!r}; choose auto, "
-                          f"{', '.join(engines.STRATEGIES)}")
-    return engines.create(engine)
-
-
 def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
           timeout: timedelta = DEFAULT_TIMEOUT, accelerator: str = "auto",
           seed: Optional[int] = None, deterministic: bool = False,
@@ -180,7 +165,8 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
         rt = ddpkit.setup(seed=0)
         print(rt)   # Runtime(rank=0/2, local_rank=0, device=cpu, backend=gloo, engine=ddp, ...)
     """
-    chosen = _choose_engine(engine, env)
+    chosen = engines.create("ddp") if engine == "auto" and env is not None \
+        else engines.choose(engine)  # an explicit env is a torch job (tests, custom launchers)
     env = chosen.environment(env, sys.argv if argv is None else argv, expected_world_size)
     install_error_hook(env.rank)  # before init too: a bad backend must be one line as well
     comm.install_rank_warnings(env.rank)

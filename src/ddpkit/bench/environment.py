@@ -18,6 +18,7 @@ from ..machine import cpu_info, loadavg, native_bf16
 
 __all__ = ["environment"]
 
+
 def _run(cmd: List[str]) -> Optional[str]:
     if shutil.which(cmd[0]) is None:
         return None

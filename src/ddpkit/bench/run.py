@@ -1,6 +1,6 @@
-"""``ddpkit bench``: the tutorials' DP / DDP / AMP / Horovod table, measured here, honestly.
+"""Running ``ddpkit bench``: every row in fresh processes, rows interleaved round by round so
 
-Each row runs in fresh worker processes; rows are interleaved round by round so drift is shared.
+machine drift is shared by all of them, then the report written.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from torch import nn
 from .. import comm
 from ..accumulate import Accumulator
 from ..job.datasets import build_dataset, synthetic
-from ..job.models import build_model
+from ..job.build import replicated_model
 from ..precision import Precision
 from ..runtime import Runtime, setup
 
@@ -43,14 +43,11 @@ def _datasets(job: Dict[str, Any]) -> Tuple[Any, Any]:
 
 
 def _model(job: Dict[str, Any], rt: Runtime, train_set: Any) -> nn.Module:
-    torch.manual_seed(job["seed"])  # identical initial weights on every rank
-    model = build_model(job["model"], train_set.num_classes, train_set.in_channels)
-    if job["channels_last"]:
-        model = model.to(memory_format=torch.channels_last)
     # PowerSGD compresses from step 10 by default; a short benchmark must time compressed steps
     # (2 is the earliest PowerSGD allows with error feedback).
-    return rt.wrap(model, job["strategy"], sync_bn=job["sync_bn"], comm_hook=job["comm_hook"],
-                   powersgd_start_iter=2)
+    return replicated_model(rt, job["model"], train_set, job["seed"], job["channels_last"],
+                            strategy=job["strategy"], sync_bn=job["sync_bn"],
+                            comm_hook=job["comm_hook"], powersgd_start_iter=2)
 
 
 def _optimizer(job: Dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
@@ -154,4 +151,3 @@ def run_row(job: Dict[str, Any]) -> Dict[str, Any]:
                                    channels_last=job["channels_last"])["top1"]
     ranks = comm.gather_object(mine)
     return {"ranks": ranks, "backend": rt.backend, "world_size": rt.world_size}
-

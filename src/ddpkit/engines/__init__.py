@@ -6,20 +6,21 @@ which engine it is; adding an engine means adding a module here and a line to ``
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+import os
+from typing import Dict, Mapping, Optional, Type
 
 import torch
 from torch import nn
 
 from ..env import ClusterEnv
-from ..errors import ConfigError
+from ..errors import ConfigError, DDPKitError
 from ..wrap import WrapOptions
 from .base import Engine
 from .ddp import DDPEngine
 from .dp import DPEngine
-from .horovod import HorovodEngine
+from .horovod import HorovodEngine, started_by_horovod
 
-__all__ = ["Engine", "STRATEGIES", "create", "active", "wrap_model"]
+__all__ = ["Engine", "STRATEGIES", "create", "choose", "active", "wrap_model"]
 
 # The order is the one users see in error messages and --help.
 _ENGINES: Dict[str, Type[Engine]] = {"ddp": DDPEngine, "dp": DPEngine, "horovod": HorovodEngine,
@@ -38,6 +39,23 @@ def create(name: str) -> Engine:
     """
     if name not in _ENGINES:
         raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    return _ENGINES[name]()
+
+
+def choose(name: str = "auto", environ: Mapping[str, str] = os.environ) -> Engine:
+    """The engine ``setup(engine=name)`` runs: ``auto`` is Horovod in a process started by
+    ``horovodrun``, DDP otherwise; ``torch`` is the old name of ``ddp``.
+
+    Example::
+
+        choose("auto", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}).name   # 'horovod'
+    """
+    if name == "torch":
+        name = "ddp"
+    if name == "auto":
+        name = "horovod" if started_by_horovod(environ) else "ddp"
+    if name not in _ENGINES:
+        raise DDPKitError(f"unknown engine {name!r}; choose auto, {', '.join(STRATEGIES)}")
     return _ENGINES[name]()
 
 

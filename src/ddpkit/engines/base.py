@@ -52,6 +52,10 @@ class Engine:
         they answer for one process)."""
         return True
 
+    def serves(self, strategy: str) -> bool:
+        """Whether a script asking for ``strategy`` (in ``rt.wrap``) runs on this engine as it is."""
+        return strategy == self.name
+
     def unavailable(self) -> Optional[str]:
         """Why this engine cannot run here (one line with the fix), or None."""
         return None

@@ -93,6 +93,10 @@ class HorovodEngine(Engine):
             raise RuntimeError("the Horovod engine is not initialised; call ddpkit.setup() first")
         return hvd
 
+    def serves(self, strategy: str) -> bool:
+        # A DDP script runs unchanged under horovodrun: its rt.wrap(model) asks for "ddp".
+        return strategy in ("horovod", "ddp")
+
     def unavailable(self) -> Optional[str]:
         return missing_reason()
 

@@ -15,10 +15,17 @@ from .config import TrainConfig
 from .datasets import build_dataset, dataset_key
 from .models import build_model, model_summary
 
-__all__ = ["build_datasets", "build_optimizer", "build_scheduler", "build_wrapped_model"]
+__all__ = ["build_datasets", "build_optimizer", "build_scheduler", "build_wrapped_model",
+           "replicated_model"]
 
 
 def build_datasets(cfg: TrainConfig) -> Tuple[Any, Any]:
+    """(train, test) datasets ``cfg`` names; rank 0 prepares them first, the others after.
+
+    Example::
+
+        train_set, test_set = build_datasets(TrainConfig(data="digits"))
+    """
     key = dataset_key(cfg.data)
     kw: Dict[str, Any] = {}
     if key in ("cifar10", "cifar100"):
@@ -37,6 +44,12 @@ def build_datasets(cfg: TrainConfig) -> Tuple[Any, Any]:
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD (Nesterov when there is momentum), Adam or AdamW with ``cfg``'s settings.
+
+    Example::
+
+        opt = build_optimizer(TrainConfig(optimizer="adamw", lr=1e-3), model)
+    """
     params = model.parameters()
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
@@ -46,7 +59,13 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
 
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
-               steps_per_epoch: int) -> Tuple[Any, str]:
+                    steps_per_epoch: int) -> Tuple[Any, str]:
+    """The LR schedule and when it steps (``"step"`` or ``"epoch"``); ``(None, "epoch")`` for none.
+
+    Example::
+
+        scheduler, interval = build_scheduler(cfg, opt, steps_per_epoch=23)
+    """
     total = cfg.epochs * steps_per_epoch
     if cfg.scheduler == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total)), "step"
@@ -58,13 +77,33 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
     return None, "epoch"
 
 
-def build_wrapped_model(cfg: TrainConfig, rt: Runtime, train_set: Any) -> nn.Module:
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model, train_set.num_classes, train_set.in_channels)
-    if cfg.channels_last:
+def replicated_model(rt: Runtime, name: str, train_set: Any, seed: int,
+                     channels_last: bool = False, summary: bool = False,
+                     **wrap_options: Any) -> nn.Module:
+    """Built-in model ``name`` for ``train_set``, identical on every rank, wrapped by ``rt``.
+
+    Used by the job and by the bench, so both train the very same replicas.
+
+    Example::
+
+        model = replicated_model(rt, "small_cnn", train_set, seed=0, sync_bn=False)
+    """
+    torch.manual_seed(seed)  # identical initial weights on every rank
+    model = build_model(name, train_set.num_classes, train_set.in_channels)
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    comm.print0(model_summary(model))
-    return rt.wrap(model, sync_bn=cfg.sync_bn, comm_hook=cfg.comm_hook,
-                   find_unused_parameters=cfg.find_unused_parameters)
+    if summary:
+        comm.print0(model_summary(model))
+    return rt.wrap(model, **wrap_options)
 
 
+def build_wrapped_model(cfg: TrainConfig, rt: Runtime, train_set: Any) -> nn.Module:
+    """The job's model: ``cfg.model``, seeded, summarised on rank 0, wrapped as ``cfg`` says.
+
+    Example::
+
+        model = build_wrapped_model(cfg, rt, train_set)
+    """
+    return replicated_model(rt, cfg.model, train_set, cfg.seed, cfg.channels_last, summary=True,
+                            sync_bn=cfg.sync_bn, comm_hook=cfg.comm_hook,
+                            find_unused_parameters=cfg.find_unused_parameters)

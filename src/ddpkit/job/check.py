@@ -3,6 +3,7 @@ the launching process before any worker starts (and again on every rank).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from ..data import per_rank_batch_size
@@ -11,6 +12,7 @@ from ..errors import ConfigError
 from ..wrap import WrapOptions
 from .config import TrainConfig
 from .datasets import ON_DISK, available_datasets, dataset_key
+from .disk_datasets import require_pil
 from .models import available_models, is_torchvision, model_key
 
 __all__ = ["check_config", "micro_batch_size"]
@@ -50,6 +52,12 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
     if key in ON_DISK and (not cfg.data_dir or not os.path.isdir(cfg.data_dir)):
         raise ConfigError(f"dataset {cfg.data!r} needs an existing --data-dir (got "
                           f"{cfg.data_dir!r}); nothing is downloaded")
+    # Optional packages the request needs: named here, before any worker starts.
+    if key == "imagefolder":
+        require_pil()
+    if is_torchvision(cfg.model) and importlib.util.find_spec("torchvision") is None:
+        raise ConfigError(f"model {cfg.model!r} needs torchvision; pip install torchvision, or "
+                          f"use one of {', '.join(available_models())}")
     if cfg.strategy == "dp" and world_size > 1:
         raise ConfigError("strategy 'dp' runs one process over all GPUs; use --nproc 1")
     engine = create_engine(cfg.strategy)
@@ -70,5 +78,3 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
         raise ConfigError(f"--resume {cfg.resume!r} does not exist; give a checkpoint file, a "
                           "directory of checkpoints, or 'auto'")
     micro_batch_size(cfg, world_size)
-
-

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from ..engines import STRATEGIES
+from ..engines.ddp import COMM_HOOKS
 from ..errors import ConfigError
 
 __all__ = ["TrainConfig", "load_config_file", "merge", "config_from_dict", "field_type"]
@@ -62,7 +63,7 @@ class TrainConfig:
     channels_last: bool = _opt(False, "channels_last memory format for conv nets")
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm when world size > 1")
     comm_hook: Optional[str] = _opt(None, "gradient compression (horovod: fp16 only)",
-                                     ("fp16", "bf16", "powersgd"))
+                                    COMM_HOOKS)
     find_unused_parameters: bool = _opt(False, "DDP find_unused_parameters")
     skip_nonfinite: bool = _opt(False, "skip optimizer steps with NaN/inf gradients instead of stopping")
     max_steps: Optional[int] = _opt(None, "stop after this many optimizer steps")

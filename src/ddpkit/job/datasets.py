@@ -79,7 +79,6 @@ def digits(train: bool = True, test_fraction: float = 0.2, split_seed: int = 0) 
     return InMemoryImages(x[idx], y[idx], 10, mean=(mean,), std=(std,), indices=idx)
 
 
-
 # --------------------------------------------------------------------------------------------
 # synthetic
 

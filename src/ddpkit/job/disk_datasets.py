@@ -157,7 +157,8 @@ _FOLDER_LAYOUT = ("expected <root>/train/<class>/*.png|jpg and <root>/val/<class
                   "or <root>/<class>/*.png|jpg")
 
 
-def _require_pil() -> None:
+def require_pil() -> None:
+    """Raise a one-line :class:`ConfigError` unless Pillow (needed to read images) imports."""
     try:
         import PIL.Image  # noqa: F401
     except ImportError:
@@ -258,7 +259,7 @@ def image_folder(root: PathLike, train: bool = True, image_size: int = 32, augme
 
         train = image_folder("~/data/imagenette", train=True, image_size=64, augment=True)
     """
-    _require_pil()
+    require_pil()
     if image_size < 1:
         raise ConfigError(f"image_size must be a positive number of pixels, got {image_size}")
     root = Path(root).expanduser()

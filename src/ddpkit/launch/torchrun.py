@@ -20,6 +20,7 @@ from .network import port_in_use
 
 __all__ = ["RunConfig", "run", "torchrun_args", "resolve_nproc"]
 
+
 def resolve_nproc(nproc: str | int, cuda_count: Optional[int] = None) -> int:
     """``auto`` means one process per GPU, or one per CPU core without GPUs.
 
@@ -160,7 +161,7 @@ def _guard(cfg: RunConfig, is_host: bool) -> Any:
     if cfg.nnodes <= 1 or not cfg.rdzv_endpoint:
         return contextlib.nullcontext()
     watchdog.watch_nnodes(cfg.rdzv_endpoint, cfg.nnodes, cfg.rdzv_id or "ddpkit",
-                     cfg.rdzv_timeout or 600.0, is_host=is_host)
+                          cfg.rdzv_timeout or 600.0, is_host=is_host)
     return watchdog.AgentWatchdog(cfg.rdzv_endpoint)
 
 

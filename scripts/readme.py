@@ -1,0 +1,171 @@
+"""The README's generated blocks, made from the code so they cannot drift from it.
+
+    python scripts/readme.py           # check: exit 1 and name each block that differs
+    python scripts/readme.py --write   # rewrite those blocks in README.md
+
+A block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``; tests/test_readme.py
+runs the check in ``make test``.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import inspect
+import io
+import os
+import re
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Callable, Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PACKAGE = ROOT / "src" / "ddpkit"
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)",
+                   re.S)
+
+#: The sbatch example: this command, and what it prints.
+SBATCH_ARGS = ["slurm", "--nodes", "2", "--gpus-per-node", "4", "--time", "02:00:00",
+               "--rdzv-timeout", "300", "--max-restarts", "1", "train.py", "--epochs", "90"]
+
+
+def _fenced(lang: str, text: str) -> str:
+    return f"```{lang}\n{text.rstrip()}\n```\n"
+
+
+def example_diff() -> str:
+    """The whole diff between the plain example and the ddpkit one."""
+    plain = (ROOT / "examples" / "train_plain.py").read_text().splitlines(keepends=True)
+    ours = (ROOT / "examples" / "train_ddpkit.py").read_text().splitlines(keepends=True)
+    lines = difflib.unified_diff(plain, ours, "examples/train_plain.py",
+                                 "examples/train_ddpkit.py", n=1)
+    return _fenced("diff", "".join(lines))
+
+
+def _cli(args: List[str]) -> str:
+    from ddpkit.cli import main
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        main(args)
+    return out.getvalue()
+
+
+def sbatch() -> str:
+    """``ddpkit slurm ...`` and the script it prints."""
+    return _fenced("bash", f"$ ddpkit {' '.join(SBATCH_ARGS)}\n{_cli(SBATCH_ARGS)}")
+
+
+def _usage(command: str) -> str:
+    from ddpkit.cli import build_parser
+
+    os.environ["COLUMNS"] = "100"  # argparse wraps usage at the terminal width
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[command].format_usage().replace("usage: ", "", 1)
+
+
+def run_usage() -> str:
+    """The usage lines of ``ddpkit run``."""
+    return _fenced("", _usage("run"))
+
+
+def _md(rst: str) -> str:
+    """First paragraph of a docstring as one Markdown line (roles and double backticks dropped)."""
+    text = " ".join(rst.split("\n\n")[0].split())
+    text = re.sub(r":\w+:`~?\.?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", text)
+    return text.replace("``", "`").replace("|", "\\|")
+
+
+def _summary(path: Path) -> str:
+    return _md(ast.get_docstring(ast.parse(path.read_text())) or "")
+
+
+def _signature(obj: object) -> str:
+    try:
+        params = inspect.signature(obj).parameters.values()  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return ""
+    parts = []
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append("*" + p.name)
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append("**" + p.name)
+        elif p.default is p.empty:
+            parts.append(p.name)
+        else:
+            parts.append(f"{p.name}={repr(p.default).replace('datetime.', '')}")
+    return "(" + ", ".join(parts) + ")"
+
+
+def module_map() -> str:
+    """One row per module of the package: its path and the first paragraph of its docstring."""
+    rows = ["| file | what it does |", "|---|---|"]
+    files = sorted(PACKAGE.rglob("*.py"), key=lambda p: (len(p.relative_to(PACKAGE).parts),
+                                                         str(p.relative_to(PACKAGE))))
+    for path in files:
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        if path.name == "__main__.py":
+            continue
+        rows.append(f"| `{rel}` | {_summary(path)} |")
+    return "\n".join(rows) + "\n"
+
+
+def public_api() -> str:
+    """``ddpkit.__all__``: each name with its signature and the first line of its docstring."""
+    import ddpkit
+
+    rows = ["| name | what it does |", "|---|---|"]
+    for name in ddpkit.__all__:
+        if name.startswith("__"):
+            continue
+        obj = getattr(ddpkit, name)
+        sig = "" if isinstance(obj, type) and issubclass(obj, Exception) else _signature(obj)
+        rows.append(f"| `ddpkit.{name}{sig}` | {_md(inspect.getdoc(obj) or '')} |")
+    return "\n".join(rows) + "\n"
+
+
+BLOCKS: Dict[str, Callable[[], str]] = {"example-diff": example_diff, "sbatch": sbatch,
+                                        "run-usage": run_usage, "module-map": module_map,
+                                        "public-api": public_api}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block made anew."""
+    def fill(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in BLOCKS:
+            raise SystemExit(f"README.md: unknown generated block {name!r}")
+        return match.group(1) + BLOCKS[name]() + match.group(4)
+    return BLOCK.sub(fill, text)
+
+
+def stale(text: str) -> List[str]:
+    """Names of the blocks whose text differs from what the code makes now."""
+    found = {m.group("name"): m.group("body") for m in BLOCK.finditer(text)}
+    missing = [name for name in BLOCKS if name not in found]
+    return missing + [name for name, body in found.items() if BLOCKS[name]() != body]
+
+
+def main(argv: List[str] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the stale blocks")
+    ns = parser.parse_args(argv)
+    text = README.read_text()
+    names = stale(text)
+    if ns.write:
+        README.write_text(render(text))
+        print(f"README.md: rewrote {', '.join(names) or 'nothing (all current)'}")
+        return 0
+    if names:
+        print(f"README.md is stale in: {', '.join(names)}; run python scripts/readme.py --write",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The engine objects: chosen once by setup(), asked by wrap, accumulation and the collectives.
+
+Multi-rank behaviour of each engine is in test_multiprocess.py (DDP) and
+test_engines_horovod.py (Horovod); here one process, no group.
+"""
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import ddpkit
+from ddpkit import comm, engines
+from ddpkit.engines.base import Engine
+from ddpkit.engines.ddp import DDPEngine
+from ddpkit.engines.dp import DPEngine
+from ddpkit.engines.horovod import HorovodEngine
+from ddpkit.env import ClusterEnv
+from ddpkit.errors import DDPKitError
+from ddpkit.wrap import WrapOptions
+
+
+def test_one_engine_per_strategy_with_its_name():
+    assert engines.STRATEGIES == ("ddp", "dp", "horovod", "none")
+    for name, cls in zip(engines.STRATEGIES, (DDPEngine, DPEngine, HorovodEngine, Engine)):
+        engine = engines.create(name)
+        assert type(engine) is cls and engine.name == name
+
+
+def test_setup_keeps_the_chosen_engine_on_the_runtime():
+    rt = ddpkit.setup(env=ClusterEnv(), engine="none")
+    assert rt.engine.name == "none" and "engine=none" in repr(rt)
+    assert ddpkit.setup(env=ClusterEnv()).engine.name == "ddp"       # auto, not under horovodrun
+    assert ddpkit.setup(env=ClusterEnv(), engine="torch").engine.name == "ddp"  # the old name
+    with pytest.raises(DDPKitError, match="unknown engine 'deepspeed'; choose auto, ddp, dp, "
+                                          "horovod, none"):
+        ddpkit.setup(env=ClusterEnv(), engine="deepspeed")
+
+
+def test_wrap_with_a_strategy_replaces_the_engine_and_ddp_under_horovod_stays_horovod():
+    rt = ddpkit.setup(env=ClusterEnv())
+    rt.wrap(nn.Linear(2, 2), "none")
+    assert rt.engine.name == "none"
+    rt.engine = HorovodEngine()
+    rt.wrap(nn.Linear(2, 2), "ddp")   # a DDP script run under horovodrun
+    assert rt.engine.name == "horovod"
+
+
+def test_without_a_group_the_collectives_answer_for_one_process():
+    engine = engines.active()
+    assert engine.name == "none" and (engine.rank(), engine.world_size()) == (0, 1)
+    t = torch.tensor([1.5, 2.0])
+    assert engine.all_reduce(t, "sum") is t
+    mean = engine.all_reduce(t, "mean")
+    assert mean is not t and torch.equal(mean, t)
+    assert engine.all_gather_object({"a": 1}) == [{"a": 1}]
+    assert engine.broadcast_object("x") == "x"
+    assert comm.reduce(3, "sum") == 3 and comm.gather_object(7) == [7]
+
+
+class Recording(Engine):
+    """An engine that records what accumulation asks of it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def no_sync(self, model):
+        self.calls.append("no_sync")
+        return contextlib.nullcontext()
+
+    def synchronized(self, optimizer):
+        self.calls.append("synchronized")
+        return contextlib.nullcontext()
+
+
+def test_accumulation_asks_the_engine_not_the_model_type():
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    engine = Recording()
+    acc = ddpkit.Accumulator(net, opt, steps=3, engine=engine)
+    for _ in range(3):
+        with acc.micro_step():
+            acc.backward(net(torch.ones(2, 3)).sum())
+    assert engine.calls == ["no_sync", "no_sync", "synchronized"]
+    assert acc.optimizer_steps == 1
+
+
+def test_the_torch_engine_skips_the_all_reduce_of_anything_that_offers_no_sync():
+    class Wrapper(nn.Module):
+        entered = 0
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            Wrapper.entered += 1
+            yield
+
+    with Engine().no_sync(Wrapper()):
+        pass
+    with Engine().no_sync(nn.Linear(1, 1)):   # a plain module has nothing to skip
+        pass
+    assert Wrapper.entered == 1
+
+
+def test_horovod_outside_horovodrun_refuses_several_processes_and_is_a_no_op_alone():
+    engine = HorovodEngine()
+    assert not engine.running()
+    net = nn.Linear(2, 2)
+    assert engine.wrap(net, ClusterEnv(), torch.device("cpu"), WrapOptions()) is net
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    assert engine.optimizer(opt, net) is opt
+
+
+def test_the_old_runtime_spellings_still_work_and_say_the_new_one():
+    rt = ddpkit.setup(env=ClusterEnv())
+    with pytest.warns(DeprecationWarning, match="use rt.print0"):
+        rt.print("x")
+    with pytest.warns(DeprecationWarning, match="use rt.gather_object"):
+        assert rt.gather(3) == [3]
