@@ -3,7 +3,7 @@
     python scripts/readme.py           # check: exit 1 and name each block that differs
     python scripts/readme.py --write   # rewrite those blocks in README.md
 
-A block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``; tests/test_readme.py
+A block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``; tests/test_layout.py
 runs the check in ``make test``.
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ def env_without_launcher(monkeypatch):
     return os.environ
 
 
-MULTINODE_FILES = ("test_multinode.py", "test_net.py")
+MULTINODE_FILES = ("test_multinode.py", "test_launch_network.py", "test_crash.py")
 
 
 def pytest_collection_modifyitems(config, items):

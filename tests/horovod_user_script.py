@@ -1,4 +1,4 @@
-"""A user script under horovodrun: ddpkit.setup() detects Horovod (used by test_horovod.py)."""
+"""A user script under horovodrun: ddpkit.setup() detects Horovod (used by test_engines_horovod.py)."""
 import sys, torch, ddpkit
 from torch import nn
 rt = ddpkit.setup(seed=0)

@@ -96,3 +96,29 @@ def test_an_nccl_timeout_names_the_op_and_other_errors_are_left_alone():
                         "600012 milliseconds before timing out.")
     assert collective_timeout(nccl, None).startswith("collective allreduce timed out after 600 s")
     assert collective_timeout(ValueError("bad input"), None) is None
+
+
+def test_a_timeout_names_the_ddpkit_function_the_script_called(monkeypatch):
+    import torch
+    import torch.distributed as tdist
+
+    from ddpkit import comm
+    from ddpkit.crash import collective_timeout
+    from ddpkit.engines import base
+
+    gloo = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms "
+                        "for recv operation to complete")
+
+    def all_reduce(*args, **kwargs):
+        raise gloo
+    all_reduce.__code__ = all_reduce.__code__.replace(co_filename=tdist.distributed_c10d.__file__)
+    # A group of two whose all_reduce times out: comm.reduce -> the engine -> torch.
+    monkeypatch.setattr(base.tdist, "all_reduce", all_reduce)
+    monkeypatch.setattr(base.Engine, "_group", staticmethod(lambda: True))
+    monkeypatch.setattr(base.Engine, "_comm_device", staticmethod(lambda: torch.device("cpu")))
+    monkeypatch.setattr(base.Engine, "world_size", lambda self: 2)
+    with pytest.raises(RuntimeError) as info:
+        comm.reduce(torch.tensor([1.0]))
+    line = collective_timeout(info.value, info.tb)
+    assert line.startswith("collective all_reduce timed out after 6 s (called at test_crash.py:")
+    assert " via ddpkit.comm.reduce; gloo: Timed out waiting 6000ms" in line

@@ -37,13 +37,12 @@ def test_setup_keeps_the_chosen_engine_on_the_runtime():
         ddpkit.setup(env=ClusterEnv(), engine="deepspeed")
 
 
-def test_wrap_with_a_strategy_replaces_the_engine_and_ddp_under_horovod_stays_horovod():
+def test_a_strategy_in_wrap_wraps_that_model_only_and_ddp_under_horovod_stays_horovod():
     rt = ddpkit.setup(env=ClusterEnv())
-    rt.wrap(nn.Linear(2, 2), "none")
-    assert rt.engine.name == "none"
-    rt.engine = HorovodEngine()
-    rt.wrap(nn.Linear(2, 2), "ddp")   # a DDP script run under horovodrun
-    assert rt.engine.name == "horovod"
+    with pytest.warns(UserWarning, match="strategy 'dp' needs CUDA"):
+        rt.wrap(nn.Linear(2, 2), "dp")
+    assert rt.engine.name == "ddp"   # setup(engine=...) chooses for the run; wrap for one model
+    assert HorovodEngine().serves("ddp") and not DDPEngine().serves("horovod")
 
 
 def test_without_a_group_the_collectives_answer_for_one_process():

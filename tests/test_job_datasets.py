@@ -1,4 +1,4 @@
-"""Tests for ddpkit.datasets: digits split, CIFAR pickles, image folders, synthetic, registry.
+"""Tests for ddpkit.job.datasets: digits split, CIFAR pickles, image folders, synthetic, registry.
 
 CIFAR files and images are generated in tmp_path in the distributed format; nothing downloads.
 """

@@ -1,4 +1,4 @@
-"""Tests for ddpkit.models: shapes, parameter counts, the name registry and model_summary.
+"""Tests for ddpkit.job.models: shapes, parameter counts, the name registry and model_summary.
 
 Everything runs on tiny CPU batches; no training happens here.
 """

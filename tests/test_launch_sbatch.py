@@ -94,3 +94,13 @@ def test_render_sbatch_validation(kwargs, word: str) -> None:
     with pytest.raises(ConfigError, match=word) as info:
         render_sbatch(**args)
     assert "\n" not in str(info.value)
+
+
+def test_render_sbatch_passes_the_rendezvous_timeout_and_restarts_to_every_node() -> None:
+    text = render_sbatch(2, 4, "train.py", ["--epochs", "90"], rdzv_timeout=300, max_restarts=1)
+    assert text.splitlines()[-1].endswith(
+        '--rdzv-id "$SLURM_JOB_ID" --rdzv-timeout 300 --max-restarts 1 train.py --epochs 90')
+    assert "--rdzv-timeout" not in render_sbatch(2, 4, "train.py")
+    for bad in ({"rdzv_timeout": 0}, {"rdzv_timeout": "5"}, {"max_restarts": -1}):
+        with pytest.raises(ConfigError):
+            render_sbatch(2, 4, "train.py", **bad)

@@ -192,3 +192,34 @@ def test_a_compiled_model_checkpoints_plain_keys_that_load_into_a_plain_model(tm
     plain.load_state_dict(saved)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
                                                  net.state_dict().values()))
+
+
+def test_a_checkpoint_with_compile_prefixed_keys_still_resumes(tmp_path):
+    # ddpkit saved compiled models with `_orig_mod.` keys before unwrap learned torch.compile.
+    from ddpkit.checkpoint import find_latest, save_checkpoint
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    fit(rt, net, opt, rt.loader(data(), 10), epochs=1, progress=False,
+        checkpoint=CheckpointPolicy(str(tmp_path / "a")))
+    state = find_latest(tmp_path / "a")[1]
+    state["model"] = {f"_orig_mod.{k}": v for k, v in state["model"].items()}
+    save_checkpoint(state, tmp_path / "b", step=state["progress"]["step"])
+    again = model()
+    opt2 = torch.optim.SGD(again.parameters(), lr=0.1)
+    resumed = fit(rt, again, opt2, rt.loader(data(), 10), epochs=2, progress=False,
+                  checkpoint=CheckpointPolicy(str(tmp_path / "b"), resume="auto"))
+    assert resumed.epoch == 2 and resumed.history[0] == state["history"][0]
+
+
+def test_fit_still_takes_the_checkpointed_config_dict_as_before():
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loop_seen = {}
+
+    class Look(Hook):
+        def on_fit_end(self, loop):
+            loop_seen.update(loop.cfg.config)
+
+    fit(rt, net, opt, rt.loader(data(), 10), epochs=1, config={"lr": 0.1}, hooks=[Look()],
+        progress=False)
+    assert loop_seen == {"lr": 0.1}

@@ -42,7 +42,7 @@ class Accumulator:
         self.model, self.optimizer, self.steps = model, optimizer, steps
         # The engine knows how to skip the all-reduce (DDP's no_sync) and when gradients are
         # averaged (Horovod: inside its optimizer); by default the one serving this process.
-        self.engine = engine or active()
+        self._engine = engine
         self.precision = precision or Precision("fp32")
         self.clip_norm = clip_norm
         self.skip_nonfinite = skip_nonfinite
@@ -51,6 +51,12 @@ class Accumulator:
         self.stepped = False      # did the last micro-step end with an optimizer step?
         self.optimizer_steps = 0
         self.grad_norm: Optional[float] = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine asked about no_sync and averaging: the one given, else the one serving this
+        process when asked (so an Accumulator made before ``setup()`` still asks the right one)."""
+        return self._engine or active()
 
     def is_boundary(self, last: bool = False) -> bool:
         """Whether the coming micro-step ends an accumulation window."""

@@ -14,6 +14,7 @@ from .errors import ConfigError
 __all__ = ["check_compatible", "check_optimizer_compatible"]
 
 _SHOWN = 5                               # keys named per category in mismatch messages
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def check_compatible(model_state: Dict[str, Any], current: Any, what: str = "model") -> None:
@@ -64,14 +65,35 @@ def _some(items: List[str]) -> str:
 
 
 def _prefix_hint(missing: List[str], unexpected: List[str]) -> str:
-    # The commonest cause: one side was saved/loaded through the DDP wrapper ("module." keys).
+    # The commonest cause: one side was saved/loaded through a wrapper ("module." keys of DDP,
+    # "_orig_mod." keys of torch.compile).
     if missing and unexpected and _unprefixed(missing) == _unprefixed(unexpected):
-        return " (only the DDP 'module.' prefix differs: use ddpkit.unwrap(model) on both sides)"
+        return (" (only a wrapper's 'module.' / '_orig_mod.' prefix differs: use "
+                "ddpkit.unwrap(model) on both sides)")
     return ""
 
 
+def _strip(key: str) -> str:
+    while key.startswith(_WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key
+
+
 def _unprefixed(keys: List[str]) -> List[str]:
-    return sorted(k[len("module."):] if k.startswith("module.") else k for k in keys)
+    return sorted(_strip(k) for k in keys)
+
+
+def plain_state(model_state: Dict[str, Any]) -> Dict[str, Any]:
+    """``model_state`` without the ``_orig_mod.`` prefix that a ``torch.compile``'d model gives
+    every key (ddpkit saved those before :func:`ddpkit.unwrap` unwrapped compiled models).
+
+    Example::
+
+        plain_state({"_orig_mod.fc.weight": w})   # {'fc.weight': w}
+    """
+    if not model_state or not all(str(k).startswith("_orig_mod.") for k in model_state):
+        return model_state
+    return {k[len("_orig_mod."):]: v for k, v in model_state.items()}
 
 
 def check_optimizer_compatible(opt_state: Dict[str, Any],

@@ -115,10 +115,13 @@ def _collective_site(tb: Any) -> "tuple[Optional[str], Optional[str]]":
             break
     outside = [f for f in frames if not f.filename.startswith(torch_dir)]
     user = next((f for f in reversed(outside) if not f.filename.startswith(ours)), None)
-    inner = outside[-1] if outside else None
     where = f"{os.path.basename(user.filename)}:{user.lineno}" if user else None
-    if inner is not None and inner is not user and inner.filename.startswith(ours):
-        via = f"ddpkit.{os.path.splitext(os.path.basename(inner.filename))[0]}.{inner.name}"
+    # The ddpkit function the script called (comm.reduce), not where inside ddpkit it ended up.
+    below = outside[outside.index(user) + 1:] if user else outside
+    entered = next((f for f in below if f.filename.startswith(ours)), None)
+    if entered is not None:
+        module = os.path.relpath(os.path.splitext(entered.filename)[0], ours).replace(os.sep, ".")
+        via = f"ddpkit.{module}.{entered.name}"
         where = f"{where} via {via}" if where else via
     return op, where
 
@@ -128,7 +131,12 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def is_peer_failure(exc: BaseException) -> bool:
-    """A collective failed because another rank died first: a consequence, not the cause."""
+    """A collective failed because another rank died first: a consequence, not the cause.
+
+    Example::
+
+        is_peer_failure(RuntimeError("[../tcp/pair.cc:598] Connection closed by peer"))   # True
+    """
     text = str(exc)
     return any(marker in text for marker in _PEER_LOST)
 

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from . import comm
 from .accumulate import Accumulator
 from .checkpoint import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
                          load_checkpoint, resolve_resume, save_checkpoint)
+from .ckpt_compat import plain_state
 from .data import DistributedLoader
 from .errors import DDPKitError
 from .log import RunLogger, progress
@@ -171,10 +172,10 @@ class _Fit:
             return
         path = chosen
         ckpt = found[1] if found else load_checkpoint(chosen, map_location=self.rt.device)
-        net = unwrap(self.model)
-        check_compatible(ckpt["model"], net.state_dict())
+        net, saved = unwrap(self.model), plain_state(ckpt["model"])
+        check_compatible(saved, net.state_dict())
         check_optimizer_compatible(ckpt["optimizer"], self.optimizer)
-        net.load_state_dict(ckpt["model"])
+        net.load_state_dict(saved)
         self.optimizer.load_state_dict(ckpt["optimizer"])
         if self.cfg.scheduler is not None and ckpt.get("scheduler"):
             self.cfg.scheduler.load_state_dict(ckpt["scheduler"])
@@ -384,6 +385,8 @@ def fit(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
                     FitConfig(epochs=5, eval_data=test_set, accum_steps=2))
         state = fit(rt, model, opt, rt.loader(train_set, 256), epochs=5)   # the same, inline
     """
+    if isinstance(config, Mapping):  # before FitConfig, `config` was the dict stored in checkpoints
+        options["config"], config = dict(config), None
     if config is None:
         config = FitConfig(**options)
     elif options:

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from . import comm, engines
 from .crash import install_error_hook
 from .data import DistributedLoader, make_loader
-from .dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device, shutdown
+from .dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from .env import ClusterEnv
 from .evaluate import evaluate
 from .seed import seed_everything, set_deterministic
@@ -57,18 +57,19 @@ class Runtime:
     def wrap(self, model: nn.Module, strategy: Optional[str] = None, **options: Any) -> nn.Module:
         """Move to this rank's device and wrap it the engine's way; see :class:`WrapOptions`.
 
-        ``strategy`` (``ddp`` | ``dp`` | ``horovod`` | ``none``) replaces the engine chosen by
-        :func:`setup` for this runtime; under the Horovod engine ``ddp`` means ``horovod``, so a
-        script runs unchanged under ``horovodrun`` (then also pass the optimizer to
-        :meth:`optimizer`).
+        ``strategy`` (``ddp`` | ``dp`` | ``horovod`` | ``none``) wraps this one model another way
+        than the engine chosen by :func:`setup` (``setup(engine=...)`` chooses for the whole
+        run); under the Horovod engine ``ddp`` means ``horovod``, so a script runs unchanged
+        under ``horovodrun`` (then also pass the optimizer to :meth:`optimizer`).
 
         Example::
 
             model = rt.wrap(Net(), sync_bn=True)
         """
-        if strategy is not None and not self.engine.serves(strategy):
-            self.engine = engines.create(strategy)
-        return self.engine.wrap(model, self.env, self.device, WrapOptions(**options))
+        engine = self.engine
+        if strategy is not None and not engine.serves(strategy):
+            engine = engines.create(strategy)
+        return engine.wrap(model, self.env, self.device, WrapOptions(**options))
 
     def loader(self, dataset: Dataset, batch_size: int, **kwargs: Any) -> DistributedLoader:
         """A loader of this rank's share; ``batch_size`` is the *global* batch. See :func:`make_loader`.
@@ -120,21 +121,35 @@ class Runtime:
     unwrap = staticmethod(unwrap)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """Deprecated spelling of :meth:`print0`."""
+        """Deprecated spelling of :meth:`print0`.
+
+        Example::
+
+            rt.print0("done")   # instead of rt.print("done")
+        """
         warnings.warn("rt.print is deprecated; use rt.print0", DeprecationWarning, stacklevel=2)
         comm.print0(*args, **kwargs)
 
     def gather(self, obj: Any) -> list:
-        """Deprecated spelling of :meth:`gather_object`."""
+        """Deprecated spelling of :meth:`gather_object`.
+
+        Example::
+
+            sizes = rt.gather_object(len(shard))   # instead of rt.gather(...)
+        """
         warnings.warn("rt.gather is deprecated; use rt.gather_object", DeprecationWarning,
                       stacklevel=2)
         return comm.gather_object(obj)
 
     def shutdown(self) -> None:
         """Leave the job (also done at exit): destroy the process group; under Horovod
-        ``hvd.join`` + shutdown."""
+        ``hvd.join`` + shutdown.
+
+        Example::
+
+            rt.shutdown()
+        """
         self.engine.shutdown()
-        shutdown()  # a torch group outlives an engine replaced by rt.wrap(strategy=...)
 
     def __enter__(self) -> "Runtime":
         return self

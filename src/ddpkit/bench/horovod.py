@@ -1,7 +1,7 @@
 """The ``horovod`` row of ``ddpkit bench``: the same timed steps as every row, on Horovod.
 
 ``horovod.runner.run`` starts fresh processes with Horovod's environment; in them
-:func:`ddpkit.setup` selects the Horovod engine, so :func:`ddpkit.bench_worker.run_row` measures
+:func:`ddpkit.setup` selects the Horovod engine, so :func:`ddpkit.bench.worker.run_row` measures
 Horovod's ``DistributedOptimizer`` (gloo all-reduce) with the same model, data and timing code.
 Only imported when ``horovod.torch`` imports.
 """
@@ -15,7 +15,7 @@ __all__ = ["launch_horovod"]
 
 
 def launch_horovod(plan: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    """Run :func:`ddpkit.bench_worker.run_row` on ``plan['nprocs']`` local Horovod processes.
+    """Run :func:`ddpkit.bench.worker.run_row` on ``plan['nprocs']`` local Horovod processes.
 
     Example::
 

@@ -1,5 +1,4 @@
 """Running ``ddpkit bench``: every row in fresh processes, rows interleaved round by round so
-
 machine drift is shared by all of them, then the report written.
 """
 from __future__ import annotations

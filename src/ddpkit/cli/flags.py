@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 from ..launch.torchrun import RunConfig
 
@@ -33,16 +33,20 @@ _FIELDS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint",
            "rdzv_timeout", "max_restarts", "iface", "log_dir", "verbose")
 
 
-def add_launch_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the launch flags (nodes, rendezvous, restarts, interface, logs) to ``parser``.
+def add_launch_flags(parser: argparse.ArgumentParser,
+                     only: Optional[Sequence[str]] = None) -> None:
+    """Add the launch flags (nodes, rendezvous, restarts, interface, logs) to ``parser``;
+    ``only`` names the ``RunConfig`` fields to add (default: all).
 
     Example::
 
         add_launch_flags(sub.add_parser("run"))
+        add_launch_flags(sub.add_parser("slurm"), only=["rdzv_timeout", "max_restarts"])
     """
     group = parser.add_argument_group("launch (torchrun underneath)")
-    for flags, kwargs in _LAUNCH_FLAGS:
-        group.add_argument(*flags, **kwargs)
+    for (flags, kwargs), name in zip(_LAUNCH_FLAGS, _FIELDS):
+        if only is None or name in only:
+            group.add_argument(*flags, **kwargs)
 
 
 def run_config(ns: argparse.Namespace, script: str, script_args: Optional[List[str]] = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..launch.sbatch import DEFAULT_PORT, render_sbatch
+from .flags import add_launch_flags
 
 __all__ = ["add_parser"]
 
@@ -26,10 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus-per-task", type=int)
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help=f"rendezvous port on the first node (default {DEFAULT_PORT})")
-    p.add_argument("--rdzv-timeout", type=int, metavar="SECONDS",
-                   help="every node must join within this many seconds of the first")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart the whole group this many times when a worker dies")
+    add_launch_flags(p, only=["rdzv_timeout", "max_restarts"])  # passed to every node's run
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_slurm)

@@ -74,6 +74,9 @@ class Engine:
     def check_options(self, options: WrapOptions) -> None:
         """Reject wrapping options this engine cannot honour, with one line (none here)."""
 
+    def check_world(self, world_size: int) -> None:
+        """Reject a number of processes this engine cannot run, with one line (any here)."""
+
     # ------------------------------------------------------------------ model and optimizer
     def wrap(self, model: nn.Module, env: ClusterEnv, device: torch.device,
              options: WrapOptions) -> nn.Module:

@@ -3,7 +3,7 @@ gradient compression hooks (fp16, bf16 on any backend, PowerSGD) and the DDP kno
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -76,7 +76,7 @@ def bf16_compress_any_backend(group, bucket):  # type: ignore[no-untyped-def]
 
 
 def register_comm_hook(model: DistributedDataParallel, name: str,
-                       options: WrapOptions = WrapOptions()) -> None:
+                       options: Optional[WrapOptions] = None) -> None:
     """Compress ``model``'s gradient all-reduce: ``fp16``, ``bf16`` or ``powersgd``.
 
     Example::
@@ -86,6 +86,7 @@ def register_comm_hook(model: DistributedDataParallel, name: str,
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+    options = options or WrapOptions()
     hooks: Dict[str, Callable[[], tuple]] = {
         "fp16": lambda: (None, default.fp16_compress_hook),
         "bf16": lambda: (None, default.bf16_compress_hook),

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import DataParallel
 
 from ..env import ClusterEnv
+from ..errors import ConfigError
 from ..wrap import WrapOptions
 from .base import Engine
 
@@ -26,6 +27,10 @@ class DPEngine(Engine):
     """
 
     name = "dp"
+
+    def check_world(self, world_size: int) -> None:
+        if world_size > 1:
+            raise ConfigError("strategy 'dp' runs one process over all GPUs; use --nproc 1")
 
     def wrap(self, model: nn.Module, env: ClusterEnv, device: torch.device,
              options: WrapOptions) -> nn.Module:

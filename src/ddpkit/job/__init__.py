@@ -4,10 +4,7 @@
 
 Example::
 
-    from ddpkit.job import TrainConfig, start
+    from ddpkit.job.config import TrainConfig
+    from ddpkit.job.start import start
     start(TrainConfig(epochs=2, output="runs/quick"))
 """
-from .config import TrainConfig
-from .start import start
-
-__all__ = ["TrainConfig", "start"]

@@ -58,9 +58,8 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
     if is_torchvision(cfg.model) and importlib.util.find_spec("torchvision") is None:
         raise ConfigError(f"model {cfg.model!r} needs torchvision; pip install torchvision, or "
                           f"use one of {', '.join(available_models())}")
-    if cfg.strategy == "dp" and world_size > 1:
-        raise ConfigError("strategy 'dp' runs one process over all GPUs; use --nproc 1")
     engine = create_engine(cfg.strategy)
+    engine.check_world(world_size)
     reason = engine.unavailable()
     if reason:
         raise ConfigError(f"--strategy {cfg.strategy}: {reason}")

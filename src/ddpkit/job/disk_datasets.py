@@ -158,7 +158,12 @@ _FOLDER_LAYOUT = ("expected <root>/train/<class>/*.png|jpg and <root>/val/<class
 
 
 def require_pil() -> None:
-    """Raise a one-line :class:`ConfigError` unless Pillow (needed to read images) imports."""
+    """Raise a one-line :class:`ConfigError` unless Pillow (needed to read images) imports.
+
+    Example::
+
+        require_pil()   # before scanning an image folder
+    """
     try:
         import PIL.Image  # noqa: F401
     except ImportError:

@@ -18,7 +18,7 @@ def launch_args(nproc: int, argv: List[str], start_timeout: int = 60) -> List[st
 
     Example::
 
-        launch_args(2, ["python", "-m", "ddpkit.train", "cfg.json"])
+        launch_args(2, ["python", "-m", "ddpkit.job.train", "cfg.json"])
     """
     return ["-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
             "--start-timeout", str(start_timeout), *argv]
@@ -32,7 +32,7 @@ def run(nproc: int, argv: List[str], start_timeout: int = 60) -> int:
 
     Example::
 
-        run(2, [sys.executable, "-m", "ddpkit.train", "runs/x/config.json"])
+        run(2, [sys.executable, "-m", "ddpkit.job.train", "runs/x/config.json"])
     """
     reason = missing_reason()
     if reason:

@@ -66,7 +66,7 @@ def render_sbatch(
     cpus_per_task: int | None = None,
     port: int = DEFAULT_PORT,
     extra_sbatch: Sequence[str] = (),
-    rdzv_timeout: int | None = None,
+    rdzv_timeout: float | None = None,
     max_restarts: int = 0,
 ) -> str:
     """Render an sbatch script running ``ddpkit run`` on ``nodes`` x ``gpus_per_node``.
@@ -82,8 +82,9 @@ def render_sbatch(
         # write `text` to job.sh, then: sbatch job.sh
     """
     _check_sbatch_args(nodes, gpus_per_node, script, script_args, cpus_per_task, port, extra_sbatch)
-    if rdzv_timeout is not None:
-        _check_int("rdzv_timeout", rdzv_timeout, 1)
+    if rdzv_timeout is not None and (isinstance(rdzv_timeout, bool) or not
+                                     isinstance(rdzv_timeout, (int, float)) or rdzv_timeout < 1):
+        raise ConfigError(f"bad rdzv_timeout={rdzv_timeout!r}; it must be a number of seconds >= 1")
     _check_int("max_restarts", max_restarts, 0)
     _check_directive("job_name", job_name)
     _check_directive("time", time)
@@ -102,7 +103,7 @@ def render_sbatch(
     lines += [f"#SBATCH --partition={partition}"] if partition is not None else []
     lines += [_directive(line) for line in extra_sbatch]
     command = " ".join(shlex.quote(arg) for arg in [script, *script_args])
-    options = (f" --rdzv-timeout {rdzv_timeout}" if rdzv_timeout is not None else "") + \
+    options = (f" --rdzv-timeout {rdzv_timeout:g}" if rdzv_timeout is not None else "") + \
         (f" --max-restarts {max_restarts}" if max_restarts else "")
     lines += [
         "",

@@ -23,7 +23,15 @@ __all__ = ["launch", "LaunchError"]
 
 
 class LaunchError(RuntimeError):
-    """A worker failed; the message names the rank and carries its traceback."""
+    """A worker failed; the message names the rank and carries its traceback.
+
+    Example::
+
+        try:
+            ddpkit.launch(train, 2)
+        except LaunchError as exc:
+            print(exc)   # rank 1 failed: ...
+    """
 
 
 def _spawned(index: int, fn: Callable[..., Any], args: tuple, nprocs: int, port: int,
