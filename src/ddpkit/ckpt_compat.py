@@ -67,10 +67,12 @@ def _some(items: List[str]) -> str:
 def _prefix_hint(missing: List[str], unexpected: List[str]) -> str:
     # The commonest cause: one side was saved/loaded through a wrapper ("module." keys of DDP,
     # "_orig_mod." keys of torch.compile).
-    if missing and unexpected and _unprefixed(missing) == _unprefixed(unexpected):
-        return (" (only a wrapper's 'module.' / '_orig_mod.' prefix differs: use "
-                "ddpkit.unwrap(model) on both sides)")
-    return ""
+    if not (missing and unexpected and _unprefixed(missing) == _unprefixed(unexpected)):
+        return ""
+    if any("_orig_mod." in k for k in missing + unexpected):
+        return (" (only the torch.compile '_orig_mod.' prefix differs: use ddpkit.unwrap(model) "
+                "on both sides)")
+    return " (only the DDP 'module.' prefix differs: use ddpkit.unwrap(model) on both sides)"
 
 
 def _strip(key: str) -> str:
