@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from .errors import DDPKitError
+from .stops import quiet_exit
 
 __all__ = ["install_error_hook", "collective_timeout", "is_peer_failure", "die_with_launcher",
            "LAUNCHER_PID_VAR"]
@@ -156,7 +157,7 @@ def _record_root_cause(exc: BaseException, text: str) -> None:
         pass
 
 
-def install_error_hook(rank: int, delay: float = 3.0) -> None:
+def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None) -> None:
     """Report an uncaught error once instead of once per rank.
 
     Rank 0 reports at once; other ranks wait ``delay`` seconds first, by which time a launcher
@@ -165,6 +166,8 @@ def install_error_hook(rank: int, delay: float = 3.0) -> None:
     only because a peer died is one line too, so the failing rank's traceback stands out; a
     collective that timed out is one line on every rank (:func:`collective_timeout`).
     Install it after the process group exists: PyTorch wraps ``sys.excepthook`` at init.
+    With ``stops`` (:class:`ddpkit.stops.Stops`), an error after a stop signal is the stop's
+    consequence: the process leaves quietly with 128 + the signal.
 
     Example::
 
@@ -172,6 +175,8 @@ def install_error_hook(rank: int, delay: float = 3.0) -> None:
     """
     def hook(kind: type, value: BaseException, tb: Any) -> None:
         prefix = "" if rank == 0 else f"[rank {rank}] "
+        if stops is not None and stops.signum is not None:
+            quiet_exit(128 + stops.signum)  # a consequence of the stop the user asked for
         if is_peer_failure(value):
             first = str(value).strip().splitlines()[0][:200]
             _write(f"{prefix}stopped: a peer process failed during a collective ({first})\n")

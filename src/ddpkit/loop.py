@@ -8,42 +8,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from . import comm
 from .accumulate import Accumulator
-from .checkpoint import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
-                         load_checkpoint, resolve_resume, save_checkpoint)
-from .ckpt_compat import plain_state
+from .checkpoint import save_checkpoint
 from .data import DistributedLoader
 from .errors import DDPKitError
 from .log import RunLogger, progress
 from .precision import Precision
+from .resume import TrainState, restore, run_state
 from .runtime import Runtime
-from .seed import rng_state, set_rng_state
-from .wrap import unwrap
+from .stops import StopRequested, signal_name
 
 __all__ = ["TrainState", "CheckpointPolicy", "FitConfig", "Hook", "fit"]
-
-
-@dataclass
-class TrainState:
-    """Progress of a run: completed epochs, optimizer steps, best metric, per-epoch history.
-
-    Example::
-
-        state = fit(...); print(state.best, state.history[-1])
-    """
-
-    epoch: int = 0
-    step: int = 0
-    best: Optional[float] = None
-    best_epoch: Optional[int] = None
-    history: List[Dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -143,63 +125,16 @@ class _Fit:
         self._last_ckpt_time = time.monotonic()
 
     # ------------------------------------------------------------------ checkpoints
-    def run_state(self) -> Dict[str, Any]:
-        sched = self.cfg.scheduler
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": sched.state_dict() if sched is not None else None,
-                "precision": self.precision.state_dict(), "loader": self.loader.state_dict(),
-                "progress": {"epoch": self.state.epoch, "step": self.state.step,
-                             "best": self.state.best, "best_epoch": self.state.best_epoch,
-                             "mid_epoch": self.loader.batches_done > 0 and not self._epoch_done},
-                "history": self.state.history, "rng": comm.gather_object(rng_state()),
-                "world_size": self.rt.world_size, "config": self.cfg.config,
-                "meta": checkpoint_metadata()}
+    def save(self) -> Optional[Any]:
+        if self.ckpt is None:
+            return None
+        path = save_checkpoint(self.run_state(), self.ckpt.directory, self.state.step,
+                               self.ckpt.keep)
+        self._last_ckpt_time = time.monotonic()
+        return path
 
-    def save(self) -> None:
-        if self.ckpt is not None:
-            save_checkpoint(self.run_state(), self.ckpt.directory, self.state.step, self.ckpt.keep)
-            self._last_ckpt_time = time.monotonic()
-
-    def restore(self) -> None:
-        if self.ckpt is None or not self.ckpt.resume:
-            return
-        # Rank 0 chooses, so every rank resumes from the same file even if one is being damaged.
-        found = (resolve_resume(self.ckpt.resume, self.ckpt.directory, self.rt.device)
-                 if self.rt.is_main else None)
-        chosen = comm.broadcast_object(str(found[0]) if found else None)
-        if chosen is None:
-            comm.print0(f"no checkpoint in {self.ckpt.directory}: starting fresh")
-            return
-        path = chosen
-        ckpt = found[1] if found else load_checkpoint(chosen, map_location=self.rt.device)
-        net, saved = unwrap(self.model), plain_state(ckpt["model"])
-        check_compatible(saved, net.state_dict())
-        check_optimizer_compatible(ckpt["optimizer"], self.optimizer)
-        net.load_state_dict(saved)
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        if self.cfg.scheduler is not None and ckpt.get("scheduler"):
-            self.cfg.scheduler.load_state_dict(ckpt["scheduler"])
-        self.precision.load_state_dict(ckpt["precision"])
-        self._restore_progress(ckpt)
-        comm.print0(f"resumed from {path} (epoch {self.state.epoch}, step {self.state.step}"
-                    f"{', mid-epoch' if self.resumed_mid_epoch else ''})")
-
-    def _restore_progress(self, ckpt: Dict[str, Any]) -> None:
-        p = ckpt["progress"]
-        self.state = TrainState(p["epoch"], p["step"], p["best"], p["best_epoch"],
-                                list(ckpt.get("history", [])))
-        self.resumed_mid_epoch = bool(p["mid_epoch"])
-        self.start_position = (self.state.epoch, 0)
-        if self.resumed_mid_epoch:
-            self.loader.load_state_dict(ckpt["loader"])
-            self.start_position = (self.state.epoch, int(ckpt["loader"]["samples_done"]))
-        same_world = ckpt.get("world_size") == self.rt.world_size
-        if same_world:  # per-rank RNG streams only make sense for the same ranks
-            set_rng_state(ckpt["rng"][self.rt.rank])
-        else:
-            comm.print0(f"warning: checkpoint from {ckpt.get('world_size')} processes resumed "
-                        f"on {self.rt.world_size}: the interrupted epoch continues without loss "
-                        "or repetition of samples, but RNG streams and batch composition differ")
+    run_state = run_state
+    restore = restore
 
     def _checkpoint_due(self) -> bool:
         if self.ckpt is None:
@@ -282,8 +217,22 @@ class _Fit:
             self.logger.log(metrics, self.state.step)
         for hook in self.cfg.hooks:
             hook.on_step_end(self, metrics)
-        if self._checkpoint_due():
-            self.save()
+        saved = self.save() if self._checkpoint_due() else None
+        signum = self.rt.stops.agreed(comm.reduce)  # every rank, so all stop at this step
+        if signum is not None:
+            self._stop_for(signum, saved)
+
+    def _stop_for(self, signum: int, saved: Optional[Any]) -> None:
+        # SIGTERM / SIGUSR1 (preemption): keep the work, then leave with 128 + the signal.
+        saved = saved or self.save()
+        waited = time.monotonic() - (self.rt.stops.received_at or time.monotonic())
+        what = (f"checkpoint {saved} saved {waited:.1f} s after the signal" if saved else
+                "no checkpoint policy: nothing saved")
+        comm.print0(f"stopped by {signal_name(signum)} at step {self.state.step} (epoch "
+                    f"{self.state.epoch + 1}): {what}")
+        if self.logger is not None:
+            self.logger.close()
+        raise StopRequested(signum)
 
     def _stop(self) -> bool:
         return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
@@ -306,6 +255,10 @@ class _Fit:
         return {f"eval/{k}": v for k, v in result.items()}
 
     def run(self) -> TrainState:
+        with self.rt.stops.graceful():  # SIGTERM / SIGUSR1 stop after a step, with a checkpoint
+            return self._run()
+
+    def _run(self) -> TrainState:
         self.restore()
         for hook in self.cfg.hooks:
             hook.on_fit_start(self)

@@ -21,6 +21,7 @@ from .dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from .env import ClusterEnv
 from .evaluate import evaluate
 from .seed import seed_everything, set_deterministic
+from .stops import Stops
 from .wrap import WrapOptions, unwrap
 
 __all__ = ["Runtime", "setup"]
@@ -45,9 +46,10 @@ class Runtime:
     """
 
     def __init__(self, env: ClusterEnv, device: torch.device, backend: Optional[str],
-                 engine: Optional[engines.Engine] = None) -> None:
+                 engine: Optional[engines.Engine] = None, stops: Optional[Stops] = None) -> None:
         self.env, self.device, self.backend = env, device, backend
         self.engine = engine or engines.create("ddp")
+        self.stops = stops or Stops()  # not installed: signals keep their default meaning
 
     rank = property(lambda self: self.env.rank, doc="Global rank.")
     local_rank = property(lambda self: self.env.local_rank, doc="Rank on this node.")
@@ -183,7 +185,10 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     chosen = engines.create("ddp") if engine == "auto" and env is not None \
         else engines.choose(engine)  # an explicit env is a torch job (tests, custom launchers)
     env = chosen.environment(env, sys.argv if argv is None else argv, expected_world_size)
-    install_error_hook(env.rank)  # before init too: a bad backend must be one line as well
+    stops = Stops()
+    if env.launcher != "single":  # a worker of a launcher; a plain script keeps Ctrl-C as it is
+        stops.install()
+    install_error_hook(env.rank, stops=stops)  # before init: a bad backend is one line as well
     comm.install_rank_warnings(env.rank)
     device = select_device(env, accelerator)
     threads = cpu_threads_per_process(env) if device.type == "cpu" else None
@@ -191,9 +196,9 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
         torch.set_num_threads(threads)
     backend_name = chosen.start(env, device, backend, init_method, timeout)
     if backend_name is not None:
-        install_error_hook(env.rank)  # PyTorch wrapped the hook at init; ours goes outermost
+        install_error_hook(env.rank, stops=stops)  # PyTorch wrapped the hook at init; ours on top
     if seed is not None:
         seed_everything(seed)
     if deterministic:
         set_deterministic(True)
-    return Runtime(env, device, backend_name, chosen)
+    return Runtime(env, device, backend_name, chosen, stops)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint import list_checkpoints
 from ..engines import create as create_engine
 from ..env import detect
 from ..errors import ConfigError
@@ -21,7 +22,7 @@ from ..launch.torchrun import RunConfig, run
 from .check import check_config
 from .config import TrainConfig
 
-__all__ = ["start", "plan", "WORKER"]
+__all__ = ["start", "plan", "resume_hint", "WORKER"]
 
 #: The worker module every rank runs: ``python -m ddpkit.job.train CONFIG.json``.
 WORKER = "ddpkit.job.train"
@@ -74,7 +75,22 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
                               f"{path}` yourself")
         return horovodrun.run(cfg.nproc, [sys.executable, "-m", WORKER, path])
     return run(dataclasses.replace(launch, script=WORKER, module=True, script_args=[path],
-                                   nproc=cfg.nproc))
+                                   nproc=cfg.nproc, on_stop=lambda signum: resume_hint(cfg, path)))
+
+
+def resume_hint(cfg: TrainConfig, config_path: str) -> str:
+    """After a stop: where the newest checkpoint is and the command that continues the run.
+
+    Example::
+
+        resume_hint(cfg, "runs/demo/config.json")
+        # '; last checkpoint runs/demo/checkpoints/ckpt-000000120.pt: continue with ...'
+    """
+    found = list_checkpoints(os.path.join(cfg.output, "checkpoints"))
+    again = f"ddpkit train --config {config_path} --resume auto"
+    if not found:
+        return f"; no checkpoint yet: `{again}` starts it afresh"
+    return f"; last checkpoint {found[-1]}: continue with `{again}`"
 
 
 def _save(cfg: TrainConfig) -> str:

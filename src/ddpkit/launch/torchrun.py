@@ -7,18 +7,23 @@ import contextlib
 import ipaddress
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..crash import LAUNCHER_PID_VAR
 from ..errors import ConfigError
+from ..stops import STOP_SIGNALS, signal_name
 from . import network as net, watchdog
 from .network import port_in_use
 
-__all__ = ["RunConfig", "run", "torchrun_args", "resolve_nproc"]
+__all__ = ["RunConfig", "run", "torchrun_args", "resolve_nproc", "AGENT_SIGNALS"]
+
+#: The signals torchrun's agent turns into "stop every worker with this signal".
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def resolve_nproc(nproc: str | int, cuda_count: Optional[int] = None) -> int:
@@ -64,6 +69,9 @@ class RunConfig:
     iface: Optional[str] = None
     log_dir: Optional[str] = None
     verbose: bool = False
+    #: After a stop (SIGINT, SIGTERM, SIGUSR1): text appended to the one line printed, e.g.
+    #: where the last checkpoint is (``ddpkit train`` sets it).
+    on_stop: Optional[Callable[[int], str]] = None
 
 
 def _validate(cfg: RunConfig) -> int:
@@ -108,10 +116,20 @@ def torchrun_args(cfg: RunConfig, nproc: int, extra: Sequence[str] = ()) -> List
                  "--master-port", str(cfg.master_port or 29500)]
     if cfg.log_dir:
         args += ["--log-dir", cfg.log_dir]
+    if _agent_takes_signal_list():
+        # The agent stops every worker with the signal it got, SIGUSR1 too (Slurm's --signal),
+        # so the workers can checkpoint before a preemption (ddpkit.stops).
+        args += ["--signals-to-handle", AGENT_SIGNALS]
     args += list(extra)
     if cfg.module:
         args.append("--module")
     return args + [cfg.script, *cfg.script_args]
+
+
+def _agent_takes_signal_list() -> bool:
+    from torch.distributed.run import get_args_parser  # torch >= 2.7 has --signals-to-handle
+
+    return "--signals-to-handle" in get_args_parser()._option_string_actions
 
 
 def _child_environment(nproc: int, iface: Optional[str]) -> None:
@@ -178,6 +196,7 @@ def run(cfg: RunConfig) -> int:
 
         code = run(RunConfig("train.py", ["--epochs", "1"], nproc=2))
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
@@ -186,13 +205,20 @@ def run(cfg: RunConfig) -> int:
     extra, plan = _network(cfg)
     _child_environment(nproc, plan.iface)
     if not cfg.verbose:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        _quiet_agent_logs()
     previous_pid = os.environ.get(LAUNCHER_PID_VAR)
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # workers die with this process
     try:
         with _guard(cfg, plan.is_host):
             torchrun(parse_args(torchrun_args(cfg, nproc, extra)))
+    except SignalException as exc:  # the agent stopped every worker with this signal first
+        return _stopped(cfg, int(exc.sigval))
+    except KeyboardInterrupt:  # Ctrl-C before the agent's own handlers were in place
+        return _stopped(cfg, signal.SIGINT)
     except ChildFailedError as exc:
+        stopped = _stop_signal(exc)
+        if stopped is not None:  # the workers themselves were told to stop (Slurm, kill)
+            return _stopped(cfg, stopped)
         rank, failure = _root_cause(exc)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
@@ -214,6 +240,29 @@ def run(cfg: RunConfig) -> int:
         else:
             os.environ[LAUNCHER_PID_VAR] = previous_pid
     return 0
+
+
+def _quiet_agent_logs() -> None:
+    # The agent's loggers are created on import with their own levels: quiet each of them.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _stop_signal(exc: Any) -> Optional[int]:
+    """The stop signal every failed worker exited for (status 128 + it), or None."""
+    codes = {f.exitcode for f in exc.failures.values()}
+    signums = {code - 128 if code > 128 else -code for code in codes}
+    return signums.pop() if len(signums) == 1 and signums <= set(STOP_SIGNALS) else None
+
+
+def _stopped(cfg: RunConfig, signum: int) -> int:
+    """One line for a stop the user or the cluster asked for; the status 128 + the signal."""
+    what = ("interrupted (SIGINT)" if signum == signal.SIGINT
+            else f"stopped by {signal_name(signum)}")
+    extra = cfg.on_stop(signum) if cfg.on_stop is not None else ""
+    print(f"ddpkit run: {what}; every worker stopped{extra}", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def _root_cause(exc: Any) -> Any:
