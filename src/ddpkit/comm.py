@@ -7,7 +7,9 @@ back to the single-process answer when there is no group, so user code never nee
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import sysconfig
 import warnings
 from typing import Any, Iterator, List, Union
 
@@ -138,9 +140,9 @@ def main_process_first() -> Iterator[None]:
 
 
 def install_rank_warnings(rank_: int) -> None:
-    """Prefix warnings on ranks other than 0 with ``[rank k]`` and show each distinct one once.
-
-    Rank 0's warnings are left as they are; the others would otherwise repeat N-1 times unlabelled.
+    """Show each warning once per job: library warnings (torch, ddpkit, any installed package)
+    from rank 0 only, since every rank raises them alike; the script's own warnings on other
+    ranks once each, prefixed ``[rank k]``.
 
     Example::
 
@@ -153,10 +155,17 @@ def install_rank_warnings(rank_: int) -> None:
 
     def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
         key = (str(message), category, filename, lineno)
-        if key in seen:
+        if key in seen or _library_file(filename):
             return
         seen.add(key)
         text = f"[rank {rank_}] {message}"
         original(text, category, filename, lineno, file if file is not None else sys.stderr, line)
 
     warnings.showwarning = show
+
+
+def _library_file(filename: str) -> bool:
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots.add(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.abspath(filename)
+    return filename.startswith("<frozen") or any(path.startswith(r + os.sep) for r in roots if r)

@@ -67,11 +67,13 @@ _TIMEOUT_PATTERNS = (
 )
 
 
-def collective_timeout(exc: BaseException, tb: Any = None) -> Optional[str]:
+def collective_timeout(exc: BaseException, tb: Any = None,
+                       single_node: bool = False) -> Optional[str]:
     """One line for a collective that timed out (gloo or NCCL), or None for other errors.
 
     Names the collective (from the traceback: ``all_reduce``, ``barrier``, DDP's gradient
-    all-reduce in ``backward``...), where the script called it, the timeout, and what to check.
+    all-reduce in ``backward``...), where the script called it, the timeout, and what to check
+    (on one node: no network advice).
 
     Example::
 
@@ -90,9 +92,15 @@ def collective_timeout(exc: BaseException, tb: Any = None) -> Optional[str]:
     detail = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0])[:160]  # no src loc
     if "gloo" in text.lower():
         detail = f"gloo: {detail}"
-    return (f"{'collective ' + op if op else 'a collective'} timed out after {seconds:g} s "
+    head = (f"{'collective ' + op if op else 'a collective'} timed out after {seconds:g} s "
             f"({'called at ' + where + '; ' if where else ''}{detail}): a peer rank stopped "
-            "answering: check the network between the nodes (or pass --iface NAME), that every "
+            "answering")
+    if single_node:
+        return (f"{head}: it is stuck or stopped (a deadlock, a debugger, SIGSTOP), busy in work "
+                "the others skip (uneven data, code that runs on some ranks only), or calls "
+                "collectives in another order; raise ddpkit.setup(timeout=...) if it "
+                "legitimately needs longer")
+    return (f"{head}: check the network between the nodes (or pass --iface NAME), that every "
             "node is still running (the first error on another node is the cause), or raise "
             "ddpkit.setup(timeout=...)")
 
@@ -114,12 +122,16 @@ def _collective_site(tb: Any) -> "tuple[Optional[str], Optional[str]]":
         if frame.filename.startswith(torch_dir) and name in ("backward", "_engine_run_backward"):
             op = "gradient all-reduce in backward (DDP)"
             break
-    outside = [f for f in frames if not f.filename.startswith(torch_dir)]
+    outside = [f for f in frames if not f.filename.startswith((torch_dir, "<frozen"))]
     user = next((f for f in reversed(outside) if not f.filename.startswith(ours)), None)
     where = f"{os.path.basename(user.filename)}:{user.lineno}" if user else None
-    # The ddpkit function the script called (comm.reduce), not where inside ddpkit it ended up.
-    below = outside[outside.index(user) + 1:] if user else outside
-    entered = next((f for f in below if f.filename.startswith(ours)), None)
+    # The ddpkit function the script called (comm.reduce), not where inside ddpkit it ended up;
+    # without a user frame (ddpkit's own job), the innermost ddpkit frame.
+    if user is not None:
+        entered = next((f for f in outside[outside.index(user) + 1:]
+                        if f.filename.startswith(ours)), None)
+    else:
+        entered = outside[-1] if outside and outside[-1].filename.startswith(ours) else None
     if entered is not None:
         module = os.path.relpath(os.path.splitext(entered.filename)[0], ours).replace(os.sep, ".")
         via = f"ddpkit.{module}.{entered.name}"
@@ -157,7 +169,8 @@ def _record_root_cause(exc: BaseException, text: str) -> None:
         pass
 
 
-def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None) -> None:
+def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
+                       progress: Any = None, single_node: bool = False) -> None:
     """Report an uncaught error once instead of once per rank.
 
     Rank 0 reports at once; other ranks wait ``delay`` seconds first, by which time a launcher
@@ -167,7 +180,9 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None) -> None
     collective that timed out is one line on every rank (:func:`collective_timeout`).
     Install it after the process group exists: PyTorch wraps ``sys.excepthook`` at init.
     With ``stops`` (:class:`ddpkit.stops.Stops`), an error after a stop signal is the stop's
-    consequence: the process leaves quietly with 128 + the signal.
+    consequence: the process leaves quietly with 128 + the signal. With ``progress``
+    (:class:`ddpkit.hangs.Progress`) on one node, a timed-out collective names the ranks that
+    never arrived, with their last step and Python stack, from the lowest waiting rank only.
 
     Example::
 
@@ -178,16 +193,25 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None) -> None
         if stops is not None and stops.signum is not None:
             quiet_exit(128 + stops.signum)  # a consequence of the stop the user asked for
         if is_peer_failure(value):
-            first = str(value).strip().splitlines()[0][:200]
+            left = progress.who_left() if progress is not None else []
+            if left:  # a rank ended its script while this one still waited on it
+                _record_root_cause(value, "".join(traceback.format_exception(kind, value, tb)))
+                _write(f"{prefix}error: {_left_early(left, tb)}\n")
+                os._exit(1)
+            first = " ".join(str(value).split())[:200]
             _write(f"{prefix}stopped: a peer process failed during a collective ({first})\n")
             os._exit(1)
-        timed_out = collective_timeout(value, tb)
+        timed_out = collective_timeout(value, tb, single_node)
         if timed_out is not None:
             # Every rank of a cut-off node times out alike: one line each, at once (no delay:
-            # on several nodes each launcher sees only its own ranks).
+            # on several nodes each launcher sees only its own ranks). On one node the ranks
+            # that did wait name the ones that did not.
             text = "".join(traceback.format_exception(kind, value, tb))
             _record_root_cause(value, text)
-            _write(f"{prefix}error: {timed_out}\n")
+            stuck = progress.not_arrived() if progress is not None and single_node else None
+            if stuck is not None and not progress.reporter:
+                quiet_exit(1)  # the lowest waiting rank reports for all
+            _write(f"{prefix}error: {timed_out}\n" + (_stuck_report(stuck) if stuck else ""))
             os._exit(1)
         if rank != 0:
             time.sleep(delay)
@@ -201,6 +225,36 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None) -> None
 
     hook.ddpkit = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _left_early(left: Any, tb: Any) -> str:
+    op, where = _collective_site(tb)
+    ranks = ", ".join(f"rank {r['rank']}" + (f" (after step {r['step']})" if r.get("step")
+                                                is not None else "") for r in left)
+    waited = f"collective {op}" if op else "a collective"
+    return (f"{ranks} exited while this rank waited in {waited}"
+            f"{' (called at ' + where + ')' if where else ''}: every rank must run the same "
+            "collectives; look for an early return, sys.exit or a loop that ends sooner on one "
+            "rank (uneven data)")
+
+
+def _stuck_report(stuck: Any) -> str:
+    from .hangs import python_stack, stop_local
+
+    lines = []
+    for rec in stuck:
+        step = rec.get("step")
+        where = (f"pid {rec.get('pid', '?')} on {rec.get('host', '?')}, "
+                 f"{'last finished step ' + str(step) if step is not None else 'no step finished'}")
+        stack = python_stack(rec["pid"]) if rec.get("pid") else None
+        lines.append(f"  rank {rec['rank']} did not arrive ({where}); "
+                     + ("its Python stack, innermost first:" if stack else
+                        "(pip install py-spy to see its Python stack)"))
+        lines += [f"    {frame}" for frame in stack or []]
+    killed = stop_local(stuck)
+    if killed:
+        lines.append(f"  stopped the stuck process(es) on this host (pid {', '.join(map(str, killed))})")
+    return "".join(line + "\n" for line in lines)
 
 
 def _write(text: str) -> None:

@@ -217,6 +217,7 @@ class _Fit:
             self.logger.log(metrics, self.state.step)
         for hook in self.cfg.hooks:
             hook.on_step_end(self, metrics)
+        self.rt.progress.step(self.state.step)  # read by the other ranks if a collective hangs
         saved = self.save() if self._checkpoint_due() else None
         signum = self.rt.stops.agreed(comm.reduce)  # every rank, so all stop at this step
         if signum is not None:

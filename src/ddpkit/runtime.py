@@ -5,6 +5,7 @@ does one job (engines, env, dist, data, comm, evaluate).
 """
 from __future__ import annotations
 
+import atexit
 import sys
 import warnings
 from datetime import timedelta
@@ -20,6 +21,7 @@ from .data import DistributedLoader, make_loader
 from .dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from .env import ClusterEnv
 from .evaluate import evaluate
+from .hangs import Progress
 from .seed import seed_everything, set_deterministic
 from .stops import Stops
 from .wrap import WrapOptions, unwrap
@@ -46,10 +48,12 @@ class Runtime:
     """
 
     def __init__(self, env: ClusterEnv, device: torch.device, backend: Optional[str],
-                 engine: Optional[engines.Engine] = None, stops: Optional[Stops] = None) -> None:
+                 engine: Optional[engines.Engine] = None, stops: Optional[Stops] = None,
+                 progress: Optional[Progress] = None) -> None:
         self.env, self.device, self.backend = env, device, backend
         self.engine = engine or engines.create("ddp")
         self.stops = stops or Stops()  # not installed: signals keep their default meaning
+        self.progress = progress or Progress(None, env.rank, env.world_size)
 
     rank = property(lambda self: self.env.rank, doc="Global rank.")
     local_rank = property(lambda self: self.env.local_rank, doc="Rank on this node.")
@@ -195,10 +199,14 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     if threads:
         torch.set_num_threads(threads)
     backend_name = chosen.start(env, device, backend, init_method, timeout)
-    if backend_name is not None:
-        install_error_hook(env.rank, stops=stops)  # PyTorch wrapped the hook at init; ours on top
+    progress = Progress(chosen.store(), env.rank, env.world_size).started()
+    if progress.store is not None:  # registered after the group's exit handler: runs first
+        atexit.register(progress.leaving)
+    if backend_name is not None:  # PyTorch wrapped the hook at init; ours goes on top
+        install_error_hook(env.rank, stops=stops, progress=progress,
+                           single_node=env.num_nodes == 1)
     if seed is not None:
         seed_everything(seed)
     if deterministic:
         set_deterministic(True)
-    return Runtime(env, device, backend_name, chosen, stops)
+    return Runtime(env, device, backend_name, chosen, stops, progress)

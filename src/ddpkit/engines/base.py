@@ -71,6 +71,15 @@ class Engine:
         """Join the other processes; returns the backend name (None for one process)."""
         return init_process_group(env, device, backend, init_method, timeout)
 
+    def store(self) -> Any:
+        """The key-value store the ranks share (the rendezvous store), or None."""
+        if not self._group():
+            return None
+        try:
+            return tdist.distributed_c10d._get_default_store()
+        except (RuntimeError, AttributeError):  # a private helper of torch: may move
+            return None
+
     def check_options(self, options: WrapOptions) -> None:
         """Reject wrapping options this engine cannot honour, with one line (none here)."""
 

@@ -119,6 +119,9 @@ class HorovodEngine(Engine):
             torch.cuda.set_device(device)
         return "horovod"  # hvd.init() took the place of the process group
 
+    def store(self) -> Any:
+        return None  # Horovod has no store the ranks share; hangs are reported without it
+
     def check_options(self, options: WrapOptions) -> None:
         """Reject DDP-only options under Horovod with one line each.
 

@@ -15,7 +15,7 @@ from .datasets import ON_DISK, available_datasets, dataset_key
 from .disk_datasets import require_pil
 from .models import available_models, is_torchvision, model_key
 
-__all__ = ["check_config", "micro_batch_size"]
+__all__ = ["check_config", "micro_batch_size", "check_batch_fits", "known_train_size"]
 
 
 def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
@@ -77,3 +77,33 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
         raise ConfigError(f"--resume {cfg.resume!r} does not exist; give a checkpoint file, a "
                           "directory of checkpoints, or 'auto'")
     micro_batch_size(cfg, world_size)
+
+
+def known_train_size(cfg: TrainConfig) -> int | None:
+    """Training samples of ``cfg``'s dataset when that is cheap to know before launching (the
+    embedded digits, synthetic data), else None (read from disk by the workers).
+
+    Example::
+
+        known_train_size(TrainConfig(data="digits"))   # 1438
+    """
+    key = dataset_key(cfg.data)
+    if key == "synthetic":
+        return cfg.synthetic_samples
+    if key == "digits":
+        from .datasets import build_dataset
+        return len(build_dataset("digits", train=True))
+    return None
+
+
+def check_batch_fits(cfg: TrainConfig, samples: int) -> None:
+    """One line if the global batch is larger than the training set.
+
+    Example::
+
+        check_batch_fits(TrainConfig(batch_size=4096), samples=1438)   # ConfigError
+    """
+    if cfg.batch_size > samples:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {samples} training "
+                          f"samples of {cfg.data!r}: an epoch would be less than one full batch; "
+                          f"use --batch-size {samples} or less")

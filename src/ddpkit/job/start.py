@@ -19,7 +19,7 @@ from ..env import detect
 from ..errors import ConfigError
 from ..launch import horovodrun
 from ..launch.torchrun import RunConfig, run
-from .check import check_config
+from .check import check_batch_fits, check_config, known_train_size
 from .config import TrainConfig
 
 __all__ = ["start", "plan", "resume_hint", "WORKER"]
@@ -61,6 +61,9 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
     inside = env.launcher == "torchrun"
     world = env.world_size if inside else cfg.nproc * launch.nnodes
     check_config(cfg, world, torch.cuda.is_available())
+    samples = known_train_size(cfg)
+    if samples is not None:
+        check_batch_fits(cfg, samples)
     path = _save(cfg)
     where = plan(cfg, launch, inside)
     if where == "here":
@@ -94,9 +97,16 @@ def resume_hint(cfg: TrainConfig, config_path: str) -> str:
 
 
 def _save(cfg: TrainConfig) -> str:
-    os.makedirs(cfg.output, exist_ok=True)
+    if os.path.exists(cfg.output) and not os.path.isdir(cfg.output):
+        raise ConfigError(f"--output {cfg.output} is a file; give a directory for the run "
+                          "(config, metrics, checkpoints)")
     path = os.path.join(cfg.output, "config.json")
-    cfg.dump(path)
+    try:
+        os.makedirs(cfg.output, exist_ok=True)
+        cfg.dump(path)
+    except OSError as exc:  # read-only file system, no permission, disk full
+        raise ConfigError(f"cannot write the run directory {cfg.output} "
+                          f"({exc.strerror or exc}); choose a writable --output") from None
     pretty = "\n".join(f"  {k}: {v}" for k, v in cfg.to_dict().items())
     print(f"resolved config (saved to {path}):\n{pretty}", flush=True)
     return path

@@ -18,7 +18,7 @@ from ..precision import Precision
 from ..runtime import setup
 from ..seed import seed_everything
 from .build import build_datasets, build_optimizer, build_scheduler, build_wrapped_model
-from .check import check_config, micro_batch_size
+from .check import check_batch_fits, check_config, micro_batch_size
 from .config import TrainConfig, config_from_dict
 
 __all__ = ["train", "main"]
@@ -59,6 +59,7 @@ def train(cfg: TrainConfig) -> TrainState:
     check_config(cfg, rt.world_size, rt.device.type == "cuda")
     banner(rt.env, rt.device, rt.backend)
     train_set, test_set = build_datasets(cfg)
+    check_batch_fits(cfg, len(train_set))
     model = build_wrapped_model(cfg, rt, train_set)
     # Weights were initialised identically; from here on each rank gets its own random stream,
     # so augmentation done in the main process (workers=0) differs between ranks.

@@ -221,10 +221,7 @@ def run(cfg: RunConfig) -> int:
             return _stopped(cfg, stopped)
         rank, failure = _root_cause(exc)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
-               else f"signal {-failure.exitcode}")
-        print(f"ddpkit run: rank {rank} failed ({how}); its error is printed above",
-              flush=True, file=sys.stderr)
+        print(f"ddpkit run: rank {rank} failed ({_how(failure)})", flush=True, file=sys.stderr)
         return code
     except Exception as exc:
         if cfg.nnodes <= 1:
@@ -240,6 +237,16 @@ def run(cfg: RunConfig) -> int:
         else:
             os.environ[LAUNCHER_PID_VAR] = previous_pid
     return 0
+
+
+def _how(failure: Any) -> str:
+    """How a worker failed, and whether its own error is above (torchrun's error file says)."""
+    if isinstance(failure.error_file_data.get("message"), dict):
+        return f"exit code {failure.exitcode}; its error is printed above"
+    if failure.exitcode < 0:
+        return (f"killed by {signal_name(-failure.exitcode)}; it printed no error: killed from "
+                "outside, out of memory, or a crash in native code")
+    return f"exit code {failure.exitcode}; see its output above"
 
 
 def _quiet_agent_logs() -> None:

@@ -1,0 +1,171 @@
+"""When a collective hangs: every rank's progress kept in the rendezvous store, so the ranks
+that timed out can name the ones that never arrived, where they run and their Python stacks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from typing import Any, Dict, List, Optional
+
+__all__ = ["Progress", "python_stack"]
+
+_KEY = "ddpkit/progress/{rank}"
+_WAITING = "ddpkit/waiting/{rank}"
+_LEFT = "ddpkit/left/{rank}"
+
+
+class Progress:
+    """This rank's place (host, pid, last step) in the store the ranks share; read on a hang.
+
+    Writing is cheap: at most one small store write per ``interval`` seconds. Without a store
+    (one process, Horovod) every method is a no-op.
+
+    Example::
+
+        progress = Progress(store, rank=0, world_size=2).started()
+        progress.step(57)                      # from the training loop
+        stuck = progress.not_arrived()         # after a collective timed out on this rank
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0) -> None:
+        self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.last_step: Optional[int] = None
+        self.reporter = True   # after not_arrived(): is this the lowest rank that waited?
+        self._written = 0.0
+
+    def _write(self) -> None:
+        if self.store is None:
+            return
+        record = {"host": self.host, "pid": self.pid, "step": self.last_step,
+                  "time": time.time()}
+        try:
+            self.store.set(_KEY.format(rank=self.rank), json.dumps(record))
+        except Exception:  # noqa: BLE001 - diagnostics must never break training
+            self.store = None
+        self._written = time.monotonic()
+
+    def started(self) -> "Progress":
+        """Record host and pid as the job starts."""
+        self._write()
+        return self
+
+    def step(self, step: int) -> None:
+        """Record the last finished optimizer step (written at most once per ``interval``)."""
+        self.last_step = step
+        if time.monotonic() - self._written >= self.interval:
+            self._write()
+
+    def leaving(self) -> None:
+        """Record that this process is ending (at exit): a peer still waiting on it can say so."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(_LEFT.format(rank=self.rank), json.dumps({"step": self.last_step}))
+        except Exception:  # noqa: BLE001 - the group may be gone already
+            pass
+
+    def who_left(self) -> List[Dict[str, Any]]:
+        """The other ranks whose process has ended, with their last step (empty if unknown).
+
+        Example::
+
+            progress.who_left()   # [{'rank': 1, 'step': 12}]
+        """
+        if self.store is None:
+            return []
+        try:
+            keys = [(r, _LEFT.format(rank=r)) for r in range(self.world_size) if r != self.rank]
+            return [{"rank": r, **json.loads(self.store.get(k))} for r, k in keys
+                    if self.store.check([k])]
+        except Exception:  # noqa: BLE001
+            return []
+
+    def not_arrived(self, wait: float = 2.0) -> Optional[List[Dict[str, Any]]]:
+        """After a collective timed out here: the ranks that are not waiting in it too.
+
+        This rank says it is waiting, gives the others ``wait`` seconds to say so, and returns
+        the records (rank, host, pid, last step) of the ranks that did not; None without a
+        store. ``self.reporter`` is then True on the lowest waiting rank only.
+        """
+        if self.store is None:
+            return None
+        self._write()
+        try:
+            self.store.set(_WAITING.format(rank=self.rank), "1")
+            deadline = time.monotonic() + wait
+            waiting = self._waiting()
+            while len(waiting) < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.1)
+                waiting = self._waiting()
+            missing = [r for r in range(self.world_size) if r not in waiting]
+            self.reporter = min(waiting) == self.rank
+            return [self._record(r) for r in missing]
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _waiting(self) -> List[int]:
+        return [r for r in range(self.world_size)
+                if self.store.check([_WAITING.format(rank=r)])]
+
+    def _record(self, rank: int) -> Dict[str, Any]:
+        key = _KEY.format(rank=rank)
+        record = json.loads(self.store.get(key)) if self.store.check([key]) else {}
+        return {"rank": rank, **record}
+
+
+def python_stack(pid: int, frames: int = 6, timeout: float = 10.0) -> Optional[List[str]]:
+    """The innermost ``frames`` frames of process ``pid``'s main thread (``py-spy dump``), or
+    None when py-spy is missing or cannot read it.
+
+    Example::
+
+        python_stack(4242)   # ['wait_forever (train.py:12)', 'main (train.py:30)', ...]
+    """
+    tool = shutil.which("py-spy") or _next_to_python("py-spy")
+    if tool is None:
+        return None
+    try:
+        # --nonblocking: reads a stopped process too, and never pauses a running one
+        out = subprocess.run([tool, "dump", "--nonblocking", "--pid", str(pid)],
+                             capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines, in_main = [], False
+    for line in out.stdout.splitlines():
+        if line.startswith("Thread "):  # the main thread's id is the pid
+            in_main = "MainThread" in line or line.startswith(f"Thread {pid} ")
+        elif in_main and line.startswith("    "):
+            lines.append(line.strip())
+    return lines[:frames] if lines else None
+
+
+def _next_to_python(name: str) -> Optional[str]:
+    import sys
+
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.access(path, os.X_OK) else None
+
+
+def stop_local(records: List[Dict[str, Any]]) -> List[int]:
+    """SIGKILL the stuck ranks that run on this host (the job has failed; a stopped process
+    would otherwise hold the launcher for its whole shutdown grace). Returns the pids killed.
+
+    Example::
+
+        stop_local([{"rank": 1, "host": socket.gethostname(), "pid": 4242}])   # [4242]
+    """
+    here, killed = socket.gethostname(), []
+    for rec in records:
+        if rec.get("host") == here and rec.get("pid") and rec["pid"] != os.getpid():
+            try:
+                os.kill(rec["pid"], signal.SIGKILL)
+                killed.append(rec["pid"])
+            except OSError:
+                pass
+    return killed
