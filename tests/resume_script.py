@@ -37,9 +37,9 @@ class Indexed(Dataset):
 class Ledger(Hook):
     """Appends, per rank and attempt, where the run started and every batch's sample indices."""
 
-    def __init__(self, out, attempt, kill_rank, kill_step):
+    def __init__(self, out, attempt, kill_rank, kill_step, signal=signal.SIGKILL):
         self.out, self.attempt = out, attempt
-        self.kill_rank, self.kill_step = kill_rank, kill_step
+        self.kill_rank, self.kill_step, self.signal = kill_rank, kill_step, signal
         self.file = None
 
     def on_fit_start(self, loop):
@@ -56,11 +56,11 @@ class Ledger(Hook):
     def on_step_end(self, loop, metrics):
         if (self.attempt == 0 and loop.rt.rank == self.kill_rank
                 and loop.state.step == self.kill_step):
-            os.kill(os.getpid(), signal.SIGKILL)  # a real crash: no cleanup, no exception
+            os.kill(os.getpid(), self.signal)  # SIGKILL: a real crash, no cleanup, no exception
 
 
 def train(out, epochs=3, batch=8, resume=None, max_steps=None, kill_rank=-1, kill_step=-1,
-          attempt=None, every_steps=2):
+          attempt=None, every_steps=2, kill_signal=signal.SIGKILL):
     rt = ddpkit.setup(seed=0, deterministic=True)
     attempt = rt.env.restart_count if attempt is None else attempt
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def train(out, epochs=3, batch=8, resume=None, max_steps=None, kill_rank=-1, kil
                               resume=resume)
     state = fit(rt, model, optimizer, loader, epochs=epochs, scheduler=scheduler,
                 scheduler_interval="step", checkpoint=policy, max_steps=max_steps,
-                hooks=[Ledger(out, attempt, kill_rank, kill_step)], progress=False,
+                hooks=[Ledger(out, attempt, kill_rank, kill_step, kill_signal)], progress=False,
                 eval_data=None)
     params = [p.detach().clone() for p in rt.unwrap(model).parameters()]
     if rt.is_main:
@@ -86,10 +86,11 @@ def main():
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--signal", default="SIGKILL", help="what --kill-rank gets at --kill-step")
     args = p.parse_args()
     # Under --max-restarts a restarted worker must resume: "auto" starts fresh when there is none.
     train(args.out, epochs=args.epochs, resume="auto", kill_rank=args.kill_rank,
-          kill_step=args.kill_step)
+          kill_step=args.kill_step, kill_signal=getattr(signal, args.signal))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Pure text, so no Slurm installation is needed (only bash for the syntax check).
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -35,7 +37,8 @@ def test_render_sbatch_gpu_contents() -> None:
     assert "--nproc 4 " in srun[0]
     assert '--rdzv-endpoint "$head_node:29400"' in srun[0]
     assert '--rdzv-id "$SLURM_JOB_ID"' in srun[0]
-    assert srun[0].endswith("train.py --name 'my run' --lr=1e-3")
+    # In the background (" &"): the batch shell must be free to take Slurm's SIGUSR1.
+    assert srun[0].endswith("train.py --name 'my run' --lr=1e-3 &")
     # All directives precede the first command, or sbatch ignores them.
     last_directive = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
     assert last_directive < lines.index("set -euo pipefail")
@@ -97,10 +100,48 @@ def test_render_sbatch_validation(kwargs, word: str) -> None:
 
 
 def test_render_sbatch_passes_the_rendezvous_timeout_and_restarts_to_every_node() -> None:
-    text = render_sbatch(2, 4, "train.py", ["--epochs", "90"], rdzv_timeout=300, max_restarts=1)
+    text = render_sbatch(2, 4, "train.py", ["--epochs", "90"], rdzv_timeout=300, max_restarts=1,
+                         requeue_grace=None)
     assert text.splitlines()[-1].endswith(
         '--rdzv-id "$SLURM_JOB_ID" --rdzv-timeout 300 --max-restarts 1 train.py --epochs 90')
     assert "--rdzv-timeout" not in render_sbatch(2, 4, "train.py")
     for bad in ({"rdzv_timeout": 0}, {"rdzv_timeout": "5"}, {"max_restarts": -1}):
         with pytest.raises(ConfigError):
             render_sbatch(2, 4, "train.py", **bad)
+
+
+def test_render_sbatch_asks_for_a_signal_before_the_end_and_requeues_after_the_checkpoint():
+    text = render_sbatch(2, 4, "train.py", requeue_grace=90)
+    assert "#SBATCH --signal=B:USR1@90" in text and "#SBATCH --requeue" in text
+    lines = text.splitlines()
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert lines[srun].endswith(" &") and lines[srun + 1] == "step=$!"
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text and lines[-1] == 'wait "$step"'
+    assert "--signal" not in render_sbatch(2, 4, "train.py", requeue_grace=None)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_rendered_requeue_forwards_sigusr1_to_the_step_then_requeues(tmp_path):
+    # The batch script with srun and scontrol stubbed: SIGUSR1 to the batch shell reaches the
+    # step, the step's status is waited for, then the job is requeued once.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/bash\ntrap 'echo step got USR1 >> \"$LOG\"; exit 138' USR1\n"
+                                  "echo step started >> \"$LOG\"\nwhile true; do sleep 0.05; done\n")
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nif [ \"$1\" = show ]; then echo node1; "
+                                      "else echo \"scontrol $*\" >> \"$LOG\"; fi\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text(render_sbatch(1, 0, "train.py"))
+    log = tmp_path / "log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(log), "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1"}
+    proc = subprocess.Popen(["bash", str(script)], env=env)
+    deadline = time.monotonic() + 10
+    while not (log.exists() and "step started" in log.read_text()):
+        assert time.monotonic() < deadline, "the step never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=10) == 0
+    assert log.read_text().splitlines() == ["step started", "step got USR1", "scontrol requeue 42"]

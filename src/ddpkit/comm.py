@@ -155,13 +155,22 @@ def install_rank_warnings(rank_: int) -> None:
 
     def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
         key = (str(message), category, filename, lineno)
-        if key in seen or _library_file(filename):
+        if key in seen or _library_file(filename) or _raised_by_library():
             return
         seen.add(key)
         text = f"[rank {rank_}] {message}"
         original(text, category, filename, lineno, file if file is not None else sys.stderr, line)
 
     warnings.showwarning = show
+
+
+def _raised_by_library() -> bool:
+    # The code that called warnings.warn (the warning itself may name the user's line, as
+    # torch's do with stacklevel): the first frame above us outside the warnings module.
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == warnings.__file__:
+        frame = frame.f_back
+    return frame is not None and _library_file(frame.f_code.co_filename)
 
 
 def _library_file(filename: str) -> bool:

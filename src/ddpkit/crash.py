@@ -126,17 +126,25 @@ def _collective_site(tb: Any) -> "tuple[Optional[str], Optional[str]]":
     user = next((f for f in reversed(outside) if not f.filename.startswith(ours)), None)
     where = f"{os.path.basename(user.filename)}:{user.lineno}" if user else None
     # The ddpkit function the script called (comm.reduce), not where inside ddpkit it ended up;
-    # without a user frame (ddpkit's own job), the innermost ddpkit frame.
+    # without a user frame (ddpkit's own job): the ddpkit code that called the rank utilities.
     if user is not None:
         entered = next((f for f in outside[outside.index(user) + 1:]
                         if f.filename.startswith(ours)), None)
     else:
-        entered = outside[-1] if outside and outside[-1].filename.startswith(ours) else None
+        mine = [f for f in outside if f.filename.startswith(ours)]
+        callers = [f for f in mine if not _dotted(f, ours).startswith(_PLUMBING)]
+        entered = callers[-1] if callers else (mine[-1] if mine else None)
     if entered is not None:
-        module = os.path.relpath(os.path.splitext(entered.filename)[0], ours).replace(os.sep, ".")
-        via = f"ddpkit.{module}.{entered.name}"
+        via = f"{_dotted(entered, ours)}.{entered.name}"
         where = f"{where} via {via}" if where else via
     return op, where
+
+
+_PLUMBING = ("ddpkit.comm", "ddpkit.engines")  # rank utilities: name who called them
+
+
+def _dotted(frame: Any, root: str) -> str:
+    return "ddpkit." + os.path.relpath(os.path.splitext(frame.filename)[0], root).replace(os.sep, ".")
 
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

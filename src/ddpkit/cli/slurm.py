@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..launch.sbatch import DEFAULT_PORT, render_sbatch
+from ..launch.sbatch import DEFAULT_PORT, DEFAULT_REQUEUE_GRACE, render_sbatch
 from .flags import add_launch_flags
 
 __all__ = ["add_parser"]
@@ -28,6 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help=f"rendezvous port on the first node (default {DEFAULT_PORT})")
     add_launch_flags(p, only=["rdzv_timeout", "max_restarts"])  # passed to every node's run
+    p.add_argument("--requeue-grace", type=int, default=DEFAULT_REQUEUE_GRACE, metavar="SECONDS",
+                   help="Slurm sends SIGUSR1 this long before the time limit or a preemption: "
+                        "every rank saves a checkpoint and the job requeues itself (default "
+                        f"{DEFAULT_REQUEUE_GRACE})")
+    p.add_argument("--no-requeue", dest="requeue_grace", action="store_const", const=None,
+                   help="no SIGUSR1, no requeue")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_slurm)
@@ -37,5 +43,6 @@ def _cmd_slurm(ns: argparse.Namespace) -> int:
     print(render_sbatch(ns.nodes, ns.gpus_per_node, ns.script, ns.script_args,
                         job_name=ns.job_name, time=ns.time, partition=ns.partition,
                         cpus_per_task=ns.cpus_per_task, port=ns.port,
-                        rdzv_timeout=ns.rdzv_timeout, max_restarts=ns.max_restarts), end="")
+                        rdzv_timeout=ns.rdzv_timeout, max_restarts=ns.max_restarts,
+                        requeue_grace=ns.requeue_grace), end="")
     return 0

@@ -9,10 +9,12 @@ from typing import Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["render_sbatch", "DEFAULT_PORT"]
+__all__ = ["render_sbatch", "DEFAULT_PORT", "DEFAULT_REQUEUE_GRACE"]
 
 #: The rendezvous port on the head node.
 DEFAULT_PORT = 29500
+#: Seconds between Slurm's SIGUSR1 and the end: time to finish a step and save a checkpoint.
+DEFAULT_REQUEUE_GRACE = 120
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -68,13 +70,17 @@ def render_sbatch(
     extra_sbatch: Sequence[str] = (),
     rdzv_timeout: float | None = None,
     max_restarts: int = 0,
+    requeue_grace: int | None = DEFAULT_REQUEUE_GRACE,
 ) -> str:
     """Render an sbatch script running ``ddpkit run`` on ``nodes`` x ``gpus_per_node``.
 
     One launcher task per node; each spawns ``gpus_per_node`` workers (1 on CPU
     nodes, where ``--gres`` is omitted) and joins a c10d rendezvous on the head node.
     ``rdzv_timeout``: seconds every node has to join; ``max_restarts``: whole-group restarts
-    after a worker dies (the script resumes from its checkpoints).
+    after a worker dies (the script resumes from its checkpoints). ``requeue_grace``: Slurm
+    sends SIGUSR1 that many seconds before the time limit or a preemption; every rank finishes
+    its step and saves a checkpoint (:mod:`ddpkit.stops`), and the job requeues itself, to
+    resume from it (``None``: no signal, no requeue).
 
     Example::
 
@@ -86,6 +92,8 @@ def render_sbatch(
                                      isinstance(rdzv_timeout, (int, float)) or rdzv_timeout < 1):
         raise ConfigError(f"bad rdzv_timeout={rdzv_timeout!r}; it must be a number of seconds >= 1")
     _check_int("max_restarts", max_restarts, 0)
+    if requeue_grace is not None:
+        _check_int("requeue_grace", requeue_grace, 1)
     _check_directive("job_name", job_name)
     _check_directive("time", time)
     if partition is not None:
@@ -101,6 +109,8 @@ def render_sbatch(
     lines += [f"#SBATCH --gres=gpu:{gpus_per_node}"] if gpus_per_node else []
     lines += [f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task is not None else []
     lines += [f"#SBATCH --partition={partition}"] if partition is not None else []
+    if requeue_grace is not None:  # B: only the batch shell gets it; it tells the step below
+        lines += [f"#SBATCH --signal=B:USR1@{requeue_grace}", "#SBATCH --requeue"]
     lines += [_directive(line) for line in extra_sbatch]
     command = " ".join(shlex.quote(arg) for arg in [script, *script_args])
     options = (f" --rdzv-timeout {rdzv_timeout:g}" if rdzv_timeout is not None else "") + \
@@ -114,6 +124,20 @@ def render_sbatch(
         "",
         "# One launcher per node; node ranks come from the rendezvous.",
         f'srun ddpkit run --nnodes "$SLURM_NNODES" --nproc {nproc} '
-        f'--rdzv-endpoint "$head_node:{port}" --rdzv-id "$SLURM_JOB_ID"{options} {command}',
+        f'--rdzv-endpoint "$head_node:{port}" --rdzv-id "$SLURM_JOB_ID"{options} {command}'
+        + (" &" if requeue_grace is not None else ""),
     ]
+    if requeue_grace is not None:
+        lines += _REQUEUE
     return "\n".join(lines) + "\n"
+
+
+# Before the time limit or a preemption: every rank saves a checkpoint, then the job requeues.
+_REQUEUE = [
+    'step=$!',
+    '# SIGUSR1 (see --signal above): srun passes it to every rank, which finishes its step and',
+    '# saves a checkpoint; then the job goes back to the queue and resumes from it.',
+    'trap \'kill -USR1 "$step" 2>/dev/null || true; wait "$step" || true; '
+    'scontrol requeue "$SLURM_JOB_ID"; exit 0\' USR1',
+    'wait "$step"',
+]

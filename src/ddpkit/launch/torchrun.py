@@ -198,7 +198,7 @@ def run(cfg: RunConfig) -> int:
     """
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args
+    from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
     nproc = _validate(cfg)
@@ -210,7 +210,7 @@ def run(cfg: RunConfig) -> int:
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # workers die with this process
     try:
         with _guard(cfg, plan.is_host):
-            torchrun(parse_args(torchrun_args(cfg, nproc, extra)))
+            torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
     except SignalException as exc:  # the agent stopped every worker with this signal first
         return _stopped(cfg, int(exc.sigval))
     except KeyboardInterrupt:  # Ctrl-C before the agent's own handlers were in place
@@ -237,6 +237,13 @@ def run(cfg: RunConfig) -> int:
         else:
             os.environ[LAUNCHER_PID_VAR] = previous_pid
     return 0
+
+
+def _parse(parser: Any, argv: List[str]) -> Any:
+    # No abbreviations: argparse would otherwise read the script's own --signal as an ambiguous
+    # abbreviation of torchrun's --signals-to-handle and stop with torchrun's usage.
+    parser.allow_abbrev = False
+    return parser.parse_args(argv)
 
 
 def _how(failure: Any) -> str:

@@ -1,0 +1,197 @@
+"""Stops, hangs and early exits with real processes: what a user sees, how fast, what is left.
+
+Each test starts real `ddpkit train` / `ddpkit run` jobs (2 CPU processes), does to them what
+users and clusters do (Ctrl-C, SIGTERM, Slurm's SIGUSR1, SIGSTOP of one rank, an early
+sys.exit, kill -9), and checks the exit status, the lines printed, the rank named, that no
+process is left behind and the time to exit.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import resume_script
+from test_resume import (_run_with_restarts, assert_bitwise_equal, assert_every_sample_once,
+                         reference)  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+CLEAN = {k: v for k, v in os.environ.items()
+         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def _lines(text):
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _left_behind(marker):
+    """Processes whose command line mentions ``marker`` (the run's own directory)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _workers(marker):
+    """{rank: pid} of the workers of the run whose command line mentions ``marker``."""
+    ranks = {}
+    for pid in _left_behind(marker):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
+            ranks[int(env[b"RANK"])] = pid
+    return ranks
+
+
+class Job:
+    """`ddpkit train` into ``out`` with a long schedule, started and watched."""
+
+    def __init__(self, out, *flags):
+        self.out = str(out)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", "train", "--output", self.out, "--no-progress",
+             "--epochs", "500", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=CLEAN)
+
+    def wait_for_training(self, epochs=1, timeout=120):
+        """Read stdout until ``epochs`` epochs are done: the job is training for sure."""
+        deadline, seen, out = time.monotonic() + timeout, 0, []
+        while seen < epochs:
+            line = self.proc.stdout.readline()
+            assert line, "the job ended before training:\n" + self.proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no epoch finished in time"
+            out.append(line)
+            seen += line.startswith("epoch ")
+        return out
+
+    def signal_and_wait(self, sig, timeout=90):
+        start = time.monotonic()
+        self.proc.send_signal(sig)
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err, time.monotonic() - start
+
+
+@pytest.mark.parametrize("sig,status,word", [(signal.SIGINT, 130, "interrupted (SIGINT)"),
+                                             (signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                             (signal.SIGUSR1, 138, "stopped by SIGUSR1")])
+def test_a_stop_signal_to_the_launcher_is_one_line_and_leaves_nothing(tmp_path, sig, status,
+                                                                      word):
+    job = Job(tmp_path / "run")
+    job.wait_for_training()
+    code, out, err, seconds = job.signal_and_wait(sig)
+    assert code == status, err
+    assert _lines(err) == [_lines(err)[0]] and _lines(err)[0].startswith(f"ddpkit run: {word}")
+    assert "--resume auto" in err and "Traceback" not in out + err
+    assert seconds < 30 and not _left_behind(job.out)
+    if sig != signal.SIGINT:  # preemption: the step finishes on every rank, then a checkpoint
+        assert f"stopped by {signal.Signals(sig).name} at step" in out
+        step = int(out.split(" at step ")[1].split()[0])
+        assert (tmp_path / "run" / "checkpoints" / f"ckpt-{step:09d}.pt").exists()
+
+
+def test_sigterm_to_one_rank_stops_all_at_one_step_and_the_resumed_run_is_exact(
+        tmp_path, reference):
+    # Only rank 1 gets SIGTERM (at step 7): the ranks agree to stop at the same step, save, and
+    # exit 143; resuming from that checkpoint ends bitwise where an uninterrupted run does.
+    res = _run_with_restarts(tmp_path, 1, 7, "SIGTERM", restarts=0)
+    assert res.returncode == 143, res.stderr[-3000:]
+    assert _lines(res.stderr) == ["ddpkit run: stopped by SIGTERM; every worker stopped"]
+    assert "stopped by SIGTERM at step 7 (epoch 1): checkpoint" in res.stdout
+    assert (tmp_path / "ckpt" / "ckpt-000000007.pt").exists()
+    first = {p: p.read_text() for p in tmp_path.glob("ledger-*")}  # both runs are attempt 0
+    again = _run_with_restarts(tmp_path, -1, -1, restarts=0)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for path in tmp_path.glob("ledger-*"):  # the ledger's order: first run, then the resumed
+        path.rename(str(path).replace("-a0-", "-a1-"))
+    for path, text in first.items():
+        path.write_text(text)
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert final["step"] == reference["step"] == 3 * resume_script.SAMPLES // 8
+    assert_bitwise_equal(final["params"], reference["params"])
+    assert_every_sample_once(str(tmp_path), 3)
+
+
+def test_a_stopped_rank_is_named_with_its_stack_and_the_job_ends_soon_after_the_timeout(
+        tmp_path):
+    timeout = 10
+    job = Job(tmp_path / "run", "--timeout-s", str(timeout))
+    job.wait_for_training()
+    time.sleep(0.5)  # somewhere in the next epoch
+    workers = _workers(job.out)
+    assert sorted(workers) == [0, 1]
+    start = time.monotonic()
+    os.kill(workers[1], signal.SIGSTOP)
+    out, err = job.proc.communicate(timeout=120)
+    seconds = time.monotonic() - start
+    assert job.proc.returncode == 1
+    assert seconds < timeout + 10, f"exited {seconds:.0f} s after the stop"
+    text = "\n".join(_lines(err))
+    assert f"timed out after {timeout} s" in text and "check the network" not in text
+    assert f"rank 1 did not arrive (pid {workers[1]} on " in text and "last finished step" in text
+    assert "its Python stack, innermost first:" in text and "(ddpkit/" in text, text
+    assert "Traceback" not in err and not _left_behind(job.out)
+
+
+EARLY = """import sys, torch, ddpkit
+rt = ddpkit.setup()
+rt.reduce(torch.ones(1))
+if rt.rank == 1:
+    sys.exit(0)
+rt.reduce(torch.ones(1))
+"""
+
+
+def test_a_rank_that_exits_early_is_named_by_the_rank_that_waited(tmp_path):
+    script = tmp_path / "early.py"
+    script.write_text(EARLY)
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
+                         capture_output=True, text=True, timeout=120, env=CLEAN)
+    assert res.returncode == 1
+    assert _lines(res.stderr) == [
+        "error: rank 1 exited while this rank waited in collective all_reduce (called at "
+        "early.py:6 via ddpkit.comm.reduce): every rank must run the same collectives; look for "
+        "an early return, sys.exit or a loop that ends sooner on one rank (uneven data)",
+        "ddpkit run: rank 0 failed (exit code 1; its error is printed above)"]
+    assert time.monotonic() - start < 60
+
+
+def test_kill_9_before_the_first_checkpoint_restarts_from_scratch(tmp_path):
+    job = Job(tmp_path / "run", "--epochs", "3", "--max-restarts", "1", "--no-ckpt-every-epoch")
+    job.wait_for_training()
+    os.kill(_workers(job.out)[1], signal.SIGKILL)
+    out, err = job.proc.communicate(timeout=240)
+    assert job.proc.returncode == 0, err[-3000:]
+    assert "no checkpoint in" in out and "starting fresh" in out
+    assert "final: top-1" in out and not _left_behind(job.out)
+
+
+WARNS = """import warnings, torch, ddpkit
+rt = ddpkit.setup()
+torch.nn.functional.softmax(torch.ones(2, 2))   # torch warns about the implicit dim, every rank
+warnings.warn(f"from my script on rank {rt.rank}")
+"""
+
+
+def test_library_warnings_once_from_rank_0_and_the_scripts_own_once_per_rank(tmp_path):
+    script = tmp_path / "warns.py"
+    script.write_text(WARNS)
+    res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
+                         capture_output=True, text=True, timeout=120, env=CLEAN)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("Implicit dimension choice for softmax") == 1
+    assert "[rank 1] " not in "".join(l for l in res.stderr.splitlines() if "softmax" in l)
+    assert res.stderr.count("from my script on rank 0") == 1
+    assert res.stderr.count("[rank 1] from my script on rank 1") == 1
