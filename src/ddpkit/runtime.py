@@ -199,12 +199,15 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     if threads:
         torch.set_num_threads(threads)
     backend_name = chosen.start(env, device, backend, init_method, timeout)
-    progress = Progress(chosen.store(), env.rank, env.world_size).started()
+    # One node only: there the store lives with the local agent, so reading it on a hang or at
+    # exit cannot block on an unreachable node.
+    single_node = env.num_nodes == 1
+    progress = Progress(chosen.store() if single_node else None, env.rank,
+                        env.world_size).started()
     if progress.store is not None:  # registered after the group's exit handler: runs first
         atexit.register(progress.leaving)
     if backend_name is not None:  # PyTorch wrapped the hook at init; ours goes on top
-        install_error_hook(env.rank, stops=stops, progress=progress,
-                           single_node=env.num_nodes == 1)
+        install_error_hook(env.rank, stops=stops, progress=progress, single_node=single_node)
     if seed is not None:
         seed_everything(seed)
     if deterministic:

@@ -1,0 +1,85 @@
+"""What stopping costs: the per-step agreement on a stop signal, and signal -> checkpoint -> exit.
+
+    python benchmarks/stop_cost.py                 # both parts, about 2 minutes on 2 cores
+
+1. Inside ``fit`` the ranks agree once per optimizer step whether one of them got SIGTERM /
+   SIGUSR1 (one all-reduce of a number). Measured on 2 processes (gloo) as the median time of
+   that call, beside the median optimizer step of the default ``ddpkit train`` job measured in
+   the same run.
+2. SIGTERM to ``ddpkit train`` (ResNet-18 on synthetic CIFAR-shaped data, 2 processes): seconds
+   from the signal to the saved checkpoint (as rank 0 prints it) and to the launcher's exit.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import ddpkit
+from ddpkit import comm
+
+
+def agreement_cost(calls: int = 2000) -> dict:
+    """Median seconds of one stop agreement (comm.reduce of an int, max) on this rank."""
+    rt = ddpkit.setup()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        comm.reduce(0, "max")
+        times.append(time.perf_counter() - start)
+    rt.shutdown()
+    return {"median_us": 1e6 * statistics.median(times), "calls": calls}
+
+
+def _train(out: str, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--output", out,
+                             "--no-progress", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def step_ms(out: str) -> float:
+    """Median optimizer step of the default job (ms), from its per-epoch lines."""
+    proc = _train(out, "--epochs", "4")
+    stdout, _ = proc.communicate(timeout=600)
+    steps = [float(m) for m in re.findall(r"step ([0-9.]+) ms", stdout)]
+    return statistics.median(steps[1:] or steps)
+
+
+def sigterm_to_checkpoint(out: str, wait: float = 40.0) -> dict:
+    """SIGTERM to a ResNet-18 job once training runs: seconds to the checkpoint and to exit."""
+    proc = _train(out, "--model", "resnet18", "--data", "synthetic", "--epochs", "50",
+                  "--batch-size", "32", "--synthetic-samples", "4096", "--eval-every", "0")
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not os.path.isdir(os.path.join(out, "tensorboard")):
+        time.sleep(0.2)
+    time.sleep(10)  # well inside the first epoch
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    found = re.search(r"saved ([0-9.]+) s after the signal", stdout)
+    return {"returncode": proc.returncode, "to_checkpoint_s": float(found.group(1)) if found
+            else None, "to_exit_s": round(time.monotonic() - start, 2),
+            "line": stderr.strip().splitlines()[-1] if stderr.strip() else ""}
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        cost = ddpkit.launch(agreement_cost, 2)
+        step = step_ms(os.path.join(tmp, "digits"))
+        print(f"stop agreement: {cost['median_us']:.0f} us median over {cost['calls']} calls "
+              f"(2 processes, gloo); default job's optimizer step {step:.1f} ms median: "
+              f"{cost['median_us'] / 10 / step:.2f} % of a step")
+        stop = sigterm_to_checkpoint(os.path.join(tmp, "resnet"))
+        print(f"SIGTERM -> checkpoint {stop['to_checkpoint_s']} s (as rank 0 reports it), "
+              f"-> launcher exit {stop['to_exit_s']} s, status {stop['returncode']}; "
+              f"{stop['line']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
