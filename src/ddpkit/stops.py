@@ -58,9 +58,11 @@ class Stops:
         with stops.graceful():                 # inside a training loop
             for step in ...:
                 ...
-                if stops.agreed(reduce) is not None:   # every rank, once per step
+                signum = stops.poll(rt.engine)   # every rank, once per step
+                if signum is not None:
                     save_checkpoint(...)
-                    raise StopRequested(stops.signum)
+                    raise StopRequested(signum)
+            stops.settle()
     """
 
     def __init__(self) -> None:
@@ -69,6 +71,7 @@ class Stops:
         self.installed = False
         self._graceful = 0
         self._pid = os.getpid()
+        self._pending: Any = None
 
     def install(self) -> "Stops":
         """Handle the stop signals in this process (main thread only; a no-op elsewhere)."""
@@ -100,15 +103,24 @@ class Stops:
         finally:
             self._graceful -= 1
 
-    def agreed(self, reduce: Any) -> Optional[int]:
-        """The stop signal if any rank received one, else None: a collective, every rank calls it.
+    def poll(self, engine: Any) -> Optional[int]:
+        """The stop signal the ranks agreed on, one poll late, or None: every rank calls it at
+        the same points (once per optimizer step in ``fit``).
 
-        ``reduce`` is :func:`ddpkit.comm.reduce` (max over ranks).
+        Each poll starts a reduction (max over ranks) of this rank's signal without waiting and
+        reads the previous poll's, long finished by then, so asking costs no waiting.
         """
         if not self.installed:
             return None
-        signum = int(reduce(int(self.signum or 0), "max"))
+        previous, self._pending = self._pending, engine.start_reduce(int(self.signum or 0), "max")
+        signum = int(previous.result()) if previous is not None else 0
         return signum or None
+
+    def settle(self) -> None:
+        """Wait for the reduction still under way (before other collectives or the exit)."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
 
 
 def quiet_exit(status: int) -> None:

@@ -22,7 +22,7 @@ from ..dist import init_process_group, shutdown
 from ..env import ClusterEnv, detect
 from ..wrap import WrapOptions
 
-__all__ = ["Engine", "REDUCE_OPS"]
+__all__ = ["Engine", "Reduction", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 _TORCH_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN,
@@ -151,6 +151,21 @@ class Engine:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def start_reduce(self, value: float, op: str) -> "Reduction":
+        """Start reducing a number across ranks without waiting; ``.result()`` waits and gives it.
+
+        Example::
+
+            pending = engine.start_reduce(1.0, "max")
+            ...                                      # more work; the reduction runs meanwhile
+            total = pending.result()
+        """
+        if not self._group():
+            return Reduction(None, torch.tensor([float(value)], dtype=torch.float64))
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device())
+        work = tdist.all_reduce(tensor, op=_TORCH_OPS[op], async_op=True)
+        return Reduction(work, tensor, self.world_size() if op == "mean" else 1)
+
     def all_gather_object(self, obj: Any) -> List[Any]:
         """Every rank's object, in rank order."""
         if not self._group():
@@ -169,3 +184,22 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+class Reduction:
+    """A reduction under way (see :meth:`Engine.start_reduce`).
+
+    Example::
+
+        Reduction(None, torch.tensor([3.0])).result()   # 3.0
+    """
+
+    def __init__(self, work: Any, tensor: torch.Tensor, divide: int = 1) -> None:
+        self.work, self.tensor, self.divide = work, tensor, divide
+
+    def result(self) -> float:
+        """Wait for the reduction; its value."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return float(self.tensor.item()) / self.divide

@@ -27,7 +27,7 @@ from torch import nn
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..wrap import WrapOptions
-from .base import Engine
+from .base import Engine, Reduction
 
 __all__ = ["HorovodEngine", "missing_reason", "started_by_horovod", "COMPRESSIONS"]
 
@@ -220,6 +220,11 @@ class HorovodEngine(Engine):
         if op == "mean":
             work = work / hvd.size()
         return work.to(tensor.device, dtype=tensor.dtype)
+
+    def start_reduce(self, value: float, op: str) -> Reduction:
+        # Horovod's allreduce_async would need its own handle type: reduce now.
+        return Reduction(None, self.all_reduce(torch.tensor([float(value)], dtype=torch.float64),
+                                               op))
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         return list(self._module().allgather_object(obj))
