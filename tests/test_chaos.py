@@ -196,3 +196,29 @@ def test_library_warnings_once_from_rank_0_and_the_scripts_own_once_per_rank(tmp
     assert "[rank 1] " not in "".join(l for l in res.stderr.splitlines() if "softmax" in l)
     assert res.stderr.count("from my script on rank 0") == 1
     assert res.stderr.count("[rank 1] from my script on rank 1") == 1
+
+
+STUCK = """import os, signal, torch, ddpkit
+from datetime import timedelta
+rt = ddpkit.setup(timeout=timedelta(seconds=5))
+rt.reduce(torch.ones(1))
+if rt.rank == 2:
+    os.kill(os.getpid(), signal.SIGSTOP)   # stuck: alive, never arrives
+rt.reduce(torch.ones(1))
+"""
+
+
+def test_with_three_ranks_one_report_names_the_stuck_one(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "3", str(script)],
+                         capture_output=True, text=True, timeout=120, env=CLEAN)
+    assert res.returncode == 1
+    assert time.monotonic() - start < 60
+    errors = [line for line in _lines(res.stderr) if "error:" in line]
+    assert len(errors) == 1 and "collective all_reduce timed out after 5 s (called at " \
+        "stuck.py:7 via ddpkit.comm.reduce" in errors[0], res.stderr
+    assert "  rank 2 did not arrive (pid " in res.stderr and "no step finished" in res.stderr
+    assert "stuck.py:6" in res.stderr  # its stack: where it stopped
+    assert not _left_behind(str(script))

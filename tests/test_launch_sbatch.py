@@ -116,32 +116,43 @@ def test_render_sbatch_asks_for_a_signal_before_the_end_and_requeues_after_the_c
     lines = text.splitlines()
     srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
     assert lines[srun].endswith(" &") and lines[srun + 1] == "step=$!"
-    assert 'scontrol requeue "$SLURM_JOB_ID"' in text and lines[-1] == 'wait "$step"'
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text and lines[-1] == 'exit "$rc"'
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=60" in lines  # the agent waits for the save
     assert "--signal" not in render_sbatch(2, 4, "train.py", requeue_grace=None)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_the_rendered_requeue_forwards_sigusr1_to_the_step_then_requeues(tmp_path):
+@pytest.mark.parametrize("signal_it,step_status,status,log", [
+    (True, 138, 0, ["step started", "step got USR1", "scontrol requeue 42"]),
+    (False, 3, 3, ["step started"]),           # a failure is not requeued: its status stays
+    (True, 1, 1, ["step started", "step got USR1"]),  # no checkpoint-stop (138): no requeue
+])
+def test_the_rendered_requeue_forwards_sigusr1_and_requeues_only_a_checkpointed_stop(
+        tmp_path, signal_it, step_status, status, log):
     # The batch script with srun and scontrol stubbed: SIGUSR1 to the batch shell reaches the
-    # step, the step's status is waited for, then the job is requeued once.
+    # step; the job is requeued only when the step stopped with 138 (128 + SIGUSR1).
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text("#!/bin/bash\ntrap 'echo step got USR1 >> \"$LOG\"; exit 138' USR1\n"
-                                  "echo step started >> \"$LOG\"\nwhile true; do sleep 0.05; done\n")
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\ntrap 'echo step got USR1 >> \"$LOG\"; exit $STATUS' USR1\n"
+        "echo step started >> \"$LOG\"\n"
+        "if [ \"$SIGNALLED\" = 0 ]; then exit $STATUS; fi\nwhile true; do sleep 0.05; done\n")
     (bin_dir / "scontrol").write_text("#!/bin/bash\nif [ \"$1\" = show ]; then echo node1; "
                                       "else echo \"scontrol $*\" >> \"$LOG\"; fi\n")
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     script = tmp_path / "job.sh"
     script.write_text(render_sbatch(1, 0, "train.py"))
-    log = tmp_path / "log"
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(log), "SLURM_JOB_ID": "42",
-           "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1"}
+    logfile = tmp_path / "log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(logfile), "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1", "STATUS": str(step_status),
+           "SIGNALLED": str(int(signal_it))}
     proc = subprocess.Popen(["bash", str(script)], env=env)
-    deadline = time.monotonic() + 10
-    while not (log.exists() and "step started" in log.read_text()):
-        assert time.monotonic() < deadline, "the step never started"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)
-    assert proc.wait(timeout=10) == 0
-    assert log.read_text().splitlines() == ["step started", "step got USR1", "scontrol requeue 42"]
+    if signal_it:
+        deadline = time.monotonic() + 10
+        while not (logfile.exists() and "step started" in logfile.read_text()):
+            assert time.monotonic() < deadline, "the step never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=10) == status
+    assert logfile.read_text().splitlines() == log

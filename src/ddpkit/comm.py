@@ -164,11 +164,14 @@ def install_rank_warnings(rank_: int) -> None:
     warnings.showwarning = show
 
 
+_WARNINGS_FILES = ("warnings.py", "_py_warnings.py")  # the module, and its 3.14 home
+
+
 def _raised_by_library() -> bool:
     # The code that called warnings.warn (the warning itself may name the user's line, as
     # torch's do with stacklevel): the first frame above us outside the warnings module.
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename == warnings.__file__:
+    while frame is not None and os.path.basename(frame.f_code.co_filename) in _WARNINGS_FILES:
         frame = frame.f_back
     return frame is not None and _library_file(frame.f_code.co_filename)
 

@@ -3,6 +3,7 @@ timeouts named, and workers that die with their launcher.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import sys
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -198,7 +200,7 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
     """
     def hook(kind: type, value: BaseException, tb: Any) -> None:
         prefix = "" if rank == 0 else f"[rank {rank}] "
-        if stops is not None and stops.signum is not None:
+        if stops is not None and stops.signum is not None and _stop_consequence(value):
             quiet_exit(128 + stops.signum)  # a consequence of the stop the user asked for
         if is_peer_failure(value):
             left = progress.who_left() if progress is not None else []
@@ -216,10 +218,9 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
             # that did wait name the ones that did not.
             text = "".join(traceback.format_exception(kind, value, tb))
             _record_root_cause(value, text)
-            stuck = progress.not_arrived() if progress is not None and single_node else None
-            if stuck is not None and not progress.reporter:
-                quiet_exit(1)  # the lowest waiting rank reports for all
-            _write(f"{prefix}error: {timed_out}\n" + (_stuck_report(stuck) if stuck else ""))
+            if progress is not None and single_node and progress.store is not None:
+                _report_hang(progress, f"{prefix}error: {timed_out}\n")
+            _write(f"{prefix}error: {timed_out}\n")
             os._exit(1)
         if rank != 0:
             time.sleep(delay)
@@ -233,6 +234,33 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
 
     hook.ddpkit = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _stop_consequence(exc: BaseException) -> bool:
+    # What a stop leaves behind: a peer gone, a collective cut short, Ctrl-C, a DataLoader worker
+    # that ended with its rank. Anything else (a failed save, a bug) is still printed.
+    text = str(exc)
+    return (isinstance(exc, KeyboardInterrupt) or is_peer_failure(exc)
+            or collective_timeout(exc) is not None or "DataLoader worker" in text)
+
+
+def _report_hang(progress: Any, line: str) -> None:
+    """On one node: the lowest rank that waited names the ranks that never arrived; the others
+    wait for its report, then leave. Stop signals are ignored meanwhile (the launcher sends
+    them as soon as one rank has left)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    with contextlib.suppress(Exception):  # diagnostics must never block for long
+        progress.store.set_timeout(timedelta(seconds=5))
+    stuck = progress.not_arrived()
+    if stuck is None:
+        return  # no store answer: the plain line
+    if not progress.reporter:
+        progress.wait_for_report(timeout=20.0)
+        quiet_exit(1)
+    _write(line + _stuck_report(stuck))
+    progress.reported()
+    os._exit(1)
 
 
 def _left_early(left: Any, tb: Any) -> str:
@@ -259,7 +287,7 @@ def _stuck_report(stuck: Any) -> str:
                      + ("its Python stack, innermost first:" if stack else
                         "(pip install py-spy to see its Python stack)"))
         lines += [f"    {frame}" for frame in stack or []]
-    killed = stop_local(stuck)
+    killed = stop_local(stuck)  # the job has failed: do not let a stopped rank hold it
     if killed:
         lines.append(f"  stopped the stuck process(es) on this host (pid {', '.join(map(str, killed))})")
     return "".join(line + "\n" for line in lines)

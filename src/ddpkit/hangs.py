@@ -17,6 +17,7 @@ __all__ = ["Progress", "python_stack"]
 _KEY = "ddpkit/progress/{rank}"
 _WAITING = "ddpkit/waiting/{rank}"
 _LEFT = "ddpkit/left/{rank}"
+_REPORTED = "ddpkit/hang-reported"
 
 
 class Progress:
@@ -108,6 +109,22 @@ class Progress:
             return [self._record(r) for r in missing]
         except Exception:  # noqa: BLE001
             return None
+
+    def reported(self) -> None:
+        """Tell the other waiting ranks that the hang report is out."""
+        try:
+            self.store.set(_REPORTED, "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def wait_for_report(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until the reporting rank has printed its report."""
+        deadline = time.monotonic() + timeout
+        try:
+            while not self.store.check([_REPORTED]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001
+            pass
 
     def _waiting(self) -> List[int]:
         return [r for r in range(self.world_size)

@@ -221,10 +221,11 @@ class _Fit:
         for hook in self.cfg.hooks:
             hook.on_step_end(self, metrics)
         self.rt.progress.step(self.state.step)  # read by the other ranks if a collective hangs
-        saved = self.save() if self._checkpoint_due() else None
+        due = self._checkpoint_due()  # the same on every rank (save returns a path on rank 0)
+        saved = self.save() if due else None
         signum = self.rt.stops.poll(self.rt.engine) if self._stop_question_due() else None
         if signum is not None:
-            self._stop_for(signum, saved)
+            self._stop_for(signum, due, saved)
 
     def _stop_question_due(self) -> bool:
         # Every rank asks at the same steps, so all stop after the same one: every step at
@@ -236,10 +237,11 @@ class _Fit:
             self._stop_every = int(comm.broadcast_object(max(1, round(0.25 / per_step))))
         return step % self._stop_every == 0
 
-    def _stop_for(self, signum: int, saved: Optional[Any]) -> None:
+    def _stop_for(self, signum: int, saved_now: bool, saved: Optional[Any] = None) -> None:
         # SIGTERM / SIGUSR1 (preemption): keep the work, then leave with 128 + the signal.
         self.rt.stops.settle()
-        saved = saved or self.save()
+        if not saved_now:
+            saved = self.save()
         waited = time.monotonic() - (self.rt.stops.received_at or time.monotonic())
         what = (f"checkpoint {saved} saved {waited:.1f} s after the signal" if saved else
                 "no checkpoint policy: nothing saved")
@@ -272,7 +274,11 @@ class _Fit:
     def run(self) -> TrainState:
         with self.rt.stops.graceful():  # SIGTERM / SIGUSR1 stop after a step, with a checkpoint
             state = self._run()
-            self.rt.stops.settle()  # the last step's question (not on errors: it may never come)
+            # A signal during the last steps or the final evaluation: still a stop (not on
+            # errors: the answer may never come).
+            signum = self.rt.stops.ask_now(self.rt.engine)
+            if signum is not None:
+                self._stop_for(signum, saved_now=False)
             return state
 
     def _run(self) -> TrainState:

@@ -190,8 +190,8 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
         else engines.choose(engine)  # an explicit env is a torch job (tests, custom launchers)
     env = chosen.environment(env, sys.argv if argv is None else argv, expected_world_size)
     stops = Stops()
-    if env.launcher != "single":  # a worker of a launcher; a plain script keeps Ctrl-C as it is
-        stops.install()
+    if env.is_distributed and "ipykernel" not in sys.modules:
+        stops.install()  # a rank of a job; one process (a script, a notebook) keeps Ctrl-C as is
     install_error_hook(env.rank, stops=stops)  # before init: a bad backend is one line as well
     comm.install_rank_warnings(env.rank)
     device = select_device(env, accelerator)

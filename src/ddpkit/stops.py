@@ -1,6 +1,6 @@
-"""Stops the user (or the cluster) asked for: SIGINT, SIGTERM and SIGUSR1 in a worker end it
-quietly with 128 + the signal, or, while :func:`ddpkit.fit` runs, after the current step on
-every rank (so it can save a checkpoint first: preemption).
+"""Stops the user (or the cluster) asked for: Ctrl-C ends a worker quietly with 130; while
+:func:`ddpkit.fit` runs, SIGTERM and SIGUSR1 stop every rank after the same step, so it can save
+a checkpoint first (preemption); elsewhere they keep their default (end at once, quietly).
 """
 from __future__ import annotations
 
@@ -74,11 +74,12 @@ class Stops:
         self._pending: Any = None
 
     def install(self) -> "Stops":
-        """Handle the stop signals in this process (main thread only; a no-op elsewhere)."""
+        """Handle Ctrl-C (SIGINT) quietly in this process; SIGTERM and SIGUSR1 are handled only
+        inside :meth:`graceful` (elsewhere their default kills at once, even a process blocked
+        in native code). Main thread only; a no-op elsewhere."""
         if threading.current_thread() is not threading.main_thread():
             return self
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
         self.installed, self._pid = True, os.getpid()
         return self
 
@@ -86,22 +87,29 @@ class Stops:
         if os.getpid() != self._pid:  # a forked child (a DataLoader worker): its own rules
             if signum == signal.SIGINT:
                 signal.default_int_handler(signum, frame)
-            quiet_exit(128 + signum)
-        first = self.signum is None
-        if first:
+            return  # SIGTERM / SIGUSR1 are for the rank itself; the child ends with it
+        graceful = self._graceful and signum in _GRACEFUL
+        if self.signum is None:
             self.signum, self.received_at = signum, time.monotonic()
-        if first and self._graceful and signum in _GRACEFUL:
-            return  # the loop stops after this step, on every rank
+            if graceful:
+                return  # the loop stops after this step, on every rank
+        elif graceful and signum == self.signum:
+            return  # the same request again (Slurm and the agent both pass it on)
         quiet_exit(128 + signum)
 
     @contextlib.contextmanager
     def graceful(self) -> Iterator["Stops"]:
-        """While inside, SIGTERM / SIGUSR1 only mark the stop; a second signal still ends at once."""
+        """While inside, SIGTERM / SIGUSR1 only mark the stop (the same signal again too); any
+        other stop signal still ends at once."""
+        main = self.installed and threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.signal(sig, self._handle) for sig in _GRACEFUL} if main else {}
         self._graceful += 1
         try:
             yield self
         finally:
             self._graceful -= 1
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def poll(self, engine: Any) -> Optional[int]:
         """The stop signal the ranks agreed on, one poll late, or None: every rank calls it at
@@ -115,6 +123,14 @@ class Stops:
         previous, self._pending = self._pending, engine.start_reduce(int(self.signum or 0), "max")
         signum = int(previous.result()) if previous is not None else 0
         return signum or None
+
+    def ask_now(self, engine: Any) -> Optional[int]:
+        """The stop signal if any rank received one, waiting for the answer (every rank calls
+        it: at the end of a loop, so a signal that came during its last steps is not lost)."""
+        if not self.installed:
+            return None
+        self.settle()
+        return int(engine.start_reduce(int(self.signum or 0), "max").result()) or None
 
     def settle(self) -> None:
         """Wait for the reduction still under way (before other collectives or the exit)."""

@@ -5,7 +5,7 @@ Pure text rendering with its arguments checked; nothing here talks to Slurm.
 from __future__ import annotations
 
 import shlex
-from typing import Sequence
+from typing import List, Sequence
 
 from ..errors import ConfigError
 
@@ -123,21 +123,27 @@ def render_sbatch(
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         "",
         "# One launcher per node; node ranks come from the rendezvous.",
-        f'srun ddpkit run --nnodes "$SLURM_NNODES" --nproc {nproc} '
-        f'--rdzv-endpoint "$head_node:{port}" --rdzv-id "$SLURM_JOB_ID"{options} {command}'
-        + (" &" if requeue_grace is not None else ""),
     ]
-    if requeue_grace is not None:
-        lines += _REQUEUE
+    srun = (f'srun ddpkit run --nnodes "$SLURM_NNODES" --nproc {nproc} '
+            f'--rdzv-endpoint "$head_node:{port}" --rdzv-id "$SLURM_JOB_ID"{options} {command}')
+    lines += [srun] if requeue_grace is None else _requeue(srun, requeue_grace)
     return "\n".join(lines) + "\n"
 
 
-# Before the time limit or a preemption: every rank saves a checkpoint, then the job requeues.
-_REQUEUE = [
-    'step=$!',
-    '# SIGUSR1 (see --signal above): srun passes it to every rank, which finishes its step and',
-    '# saves a checkpoint; then the job goes back to the queue and resumes from it.',
-    'trap \'kill -USR1 "$step" 2>/dev/null || true; wait "$step" || true; '
-    'scontrol requeue "$SLURM_JOB_ID"; exit 0\' USR1',
-    'wait "$step"',
-]
+def _requeue(srun: str, grace: int) -> List[str]:
+    """The step in the background under a SIGUSR1 trap: the ranks checkpoint and stop with 138
+    (128 + SIGUSR1), then the job goes back to the queue; any other end keeps its status."""
+    return [
+        "# SIGUSR1 (see --signal above) goes to every rank: each finishes its step, saves a",
+        "# checkpoint and stops with 138; then the job requeues and resumes from it. The agent",
+        "# gives the ranks this long before it kills them.",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={max(30, grace - 30)}",
+        'step="" preempted=0 rc=0',
+        'trap \'preempted=1; kill -USR1 "$step" 2>/dev/null || true\' USR1',
+        f"{srun} &",
+        "step=$!",
+        'wait "$step" || rc=$?',
+        'if [ "$preempted" = 1 ]; then rc=0; wait "$step" || rc=$?; fi',
+        'if [ "$rc" = 138 ]; then scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+        'exit "$rc"',
+    ]
