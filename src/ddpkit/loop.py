@@ -230,7 +230,7 @@ class _Fit:
     def _stop_question_due(self) -> bool:
         # Every rank asks at the same steps, so all stop after the same one: every step at
         # first, then about every 0.25 s by rank 0's measure of the step time (the question
-        # costs ~0.3 ms on gloo; on GPUs reading its answer syncs the device).
+        # costs ~0.3-0.4 ms on gloo, on a side group of CPU numbers: no device sync).
         step = self.state.step
         if step == self._first_step + _STOP_CALIBRATION and self.rt.stops.installed:
             per_step = (time.monotonic() - self._started) / max(1, step - self._first_step)

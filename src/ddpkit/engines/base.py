@@ -68,8 +68,15 @@ class Engine:
 
     def start(self, env: ClusterEnv, device: torch.device, backend: Optional[str],
               init_method: Optional[str], timeout: timedelta) -> Optional[str]:
-        """Join the other processes; returns the backend name (None for one process)."""
-        return init_process_group(env, device, backend, init_method, timeout)
+        """Join the other processes; returns the backend name (None for one process).
+
+        Also a small gloo group of the same ranks for the loop's own questions (is a stop
+        requested?): CPU numbers, no device sync, and a question still in flight when a peer
+        hangs times out there, not in the training's collectives."""
+        name = init_process_group(env, device, backend, init_method, timeout)
+        if name is not None and self._group():
+            self._side = tdist.new_group(backend="gloo", timeout=timeout)
+        return name
 
     def store(self) -> Any:
         """The key-value store the ranks share (the rendezvous store), or None."""
@@ -154,6 +161,8 @@ class Engine:
     def start_reduce(self, value: float, op: str) -> "Reduction":
         """Start reducing a number across ranks without waiting; ``.result()`` waits and gives it.
 
+        Runs on the engine's side group when it has one (see :meth:`start`).
+
         Example::
 
             pending = engine.start_reduce(1.0, "max")
@@ -162,8 +171,10 @@ class Engine:
         """
         if not self._group():
             return Reduction(None, torch.tensor([float(value)], dtype=torch.float64))
-        tensor = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device())
-        work = tdist.all_reduce(tensor, op=_TORCH_OPS[op], async_op=True)
+        side = getattr(self, "_side", None)
+        device = torch.device("cpu") if side is not None else self._comm_device()
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+        work = tdist.all_reduce(tensor, op=_TORCH_OPS[op], group=side, async_op=True)
         return Reduction(work, tensor, self.world_size() if op == "mean" else 1)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
