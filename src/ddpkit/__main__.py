@@ -1,7 +1,6 @@
 """``python -m ddpkit`` is the ``ddpkit`` command."""
-import sys
 
-from .cli import main
+from .cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -12,7 +12,7 @@ from typing import List, Optional
 from ..errors import DDPKitError
 from . import bench, run, slurm, train
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "entry", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,3 +50,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def entry() -> None:
+    """The ``ddpkit`` executable: :func:`main`, then leave without interpreter finalisation.
+
+    After torchrun's agent ran in this process (``ddpkit run``, ``ddpkit train``), tearing the
+    interpreter down destroys its C++ rendezvous objects while their threads still run, which
+    can abort the process ("terminate called without an active exception", SIGABRT) after the
+    command already succeeded or printed its one error line. So: flush, run the atexit
+    handlers (ddpkit's own shutdown among them), and exit with the command's status directly.
+
+    Example::
+
+        entry()   # what `ddpkit ...` and `python -m ddpkit ...` run
+    """
+    import atexit
+    import os
+
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse's --help / usage errors
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

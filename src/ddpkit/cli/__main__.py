@@ -1,6 +1,5 @@
 """``python -m ddpkit.cli`` is the ``ddpkit`` command too."""
-import sys
 
-from . import main
+from . import entry
 
-sys.exit(main())
+entry()
