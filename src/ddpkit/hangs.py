@@ -137,8 +137,9 @@ class Progress:
 
 
 def python_stack(pid: int, frames: int = 6, timeout: float = 10.0) -> Optional[List[str]]:
-    """The innermost ``frames`` frames of process ``pid``'s main thread (``py-spy dump``), or
-    None when py-spy is missing or cannot read it.
+    """The innermost frames of process ``pid``'s main thread (``py-spy dump``): at least
+    ``frames``, and down to the first frame outside torch; None when py-spy is missing or
+    cannot read it.
 
     Example::
 
@@ -159,7 +160,12 @@ def python_stack(pid: int, frames: int = 6, timeout: float = 10.0) -> Optional[L
             in_main = "MainThread" in line or line.startswith(f"Thread {pid} ")
         elif in_main and line.startswith("    "):
             lines.append(line.strip())
-    return lines[:frames] if lines else None
+    if not lines:
+        return None
+    # Innermost first, down to the first frame outside torch (where the script or ddpkit called
+    # in) and one more: a stack that ends in DDP's internals alone says little.
+    outside = next((i for i, f in enumerate(lines) if "(torch/" not in f), len(lines) - 1)
+    return lines[:min(max(frames, outside + 2), 16)]
 
 
 def _next_to_python(name: str) -> Optional[str]:
