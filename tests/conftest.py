@@ -1,8 +1,14 @@
-"""Shared fixtures: fail a test that leaks launcher variables or a process group."""
+"""Shared fixtures: fail a test that leaks launcher variables or a process group; keep the suite
+hermetic on GPU machines (every test runs on CPU + gloo unless it is marked ``gpu``)."""
 import os
 
 import pytest
+import torch
 import torch.distributed as tdist
+
+# Asked once, before any test hides the GPUs: does this machine have CUDA at all?
+CUDA_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NO_CUDA_REASON = "needs a CUDA GPU (none visible here); `make test-gpu` runs these on a GPU machine"
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -14,6 +20,21 @@ def no_leaks():
     after = {k: os.environ.get(k) for k in LAUNCH_VARS}
     assert before == after, f"test leaked launcher variables: {before} -> {after}"
     assert not tdist.is_initialized(), "test left a process group behind"
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_gpu_test(request, monkeypatch):
+    """Tests not marked ``gpu`` see no GPU, in this process and in every process they start
+    (ranks, CLI runs), so the suite means the same on a CPU laptop and on a GPU node. Tests
+    marked ``gpu`` see the real devices, or skip with the reason where there are none."""
+    if request.node.get_closest_marker("gpu") is not None:
+        if not CUDA_COUNT:
+            pytest.skip(NO_CUDA_REASON)
+        return
+    if CUDA_COUNT:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 @pytest.fixture

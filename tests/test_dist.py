@@ -55,11 +55,23 @@ def test_local_rank_wraps_modulo_gpu_count():
 
 
 @pytest.mark.parametrize("accelerator", ["auto", "cuda"])
-def test_more_local_processes_than_gpus(accelerator):
+@pytest.mark.parametrize("backend", [None, "nccl"])
+def test_more_local_processes_than_gpus_under_nccl(accelerator, backend):
     with pytest.raises(ConfigError) as exc:
-        select_device(_node(0, 4), accelerator, cuda_count=2)
-    assert str(exc.value) == ("4 processes on this node but only 2 CUDA device(s); start at most "
-                              "one process per device")
+        select_device(_node(0, 4), accelerator, cuda_count=2, backend=backend)
+    assert str(exc.value) == (
+        "4 processes on this node but only 2 CUDA device(s): NCCL needs one GPU per process; use "
+        "--nproc 2 (or auto), or --backend gloo to let processes share a GPU (for testing, not "
+        "speed)")
+
+
+def test_processes_share_gpus_over_gloo_with_one_note(capsys):
+    devices = [select_device(_node(r, 4), "auto", cuda_count=2, backend="gloo") for r in range(4)]
+    assert devices == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1  # local rank 0 only
+    assert err == ("note: 4 processes share 2 GPU(s) over gloo: right for testing DDP on one "
+                   "machine, not for speed\n")
 
 
 def test_cuda_requested_without_devices():

@@ -18,7 +18,8 @@ from ddpkit.cli.train import resolve
 
 def test_defaults():
     cfg = TrainConfig()
-    assert (cfg.nproc, cfg.strategy, cfg.backend, cfg.accelerator) == (2, "ddp", None, "auto")
+    assert (cfg.nproc, cfg.strategy, cfg.backend, cfg.accelerator) == ("auto", "ddp", None, "auto")
+    assert (cfg.device_data, cfg.compile, cfg.tf32) == ("auto", False, True)
     assert (cfg.model, cfg.data, cfg.epochs, cfg.batch_size) == ("small_cnn", "digits", 12, 64)
     assert (cfg.lr, cfg.optimizer, cfg.scheduler, cfg.precision) == (0.05, "sgd", "cosine", "fp32")
     assert (cfg.accum_steps, cfg.clip_grad, cfg.comm_hook, cfg.max_steps) == (1, None, None, None)

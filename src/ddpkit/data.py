@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from .env import ClusterEnv
 from .errors import ConfigError
+from .resident import ResidentData, batches_in, choose_resident, resident_batches
 
 __all__ = ["per_rank_batch_size", "ResumableSampler", "ShardSampler", "DistributedLoader",
            "make_loader", "worker_seed"]
@@ -152,8 +153,11 @@ class DistributedLoader:
     """
 
     def __init__(self, dataset: Dataset, sampler: ResumableSampler, batch_size: int,
-                 loader_kwargs: Dict[str, Any], seed: int, rank: int) -> None:
+                 loader_kwargs: Dict[str, Any], seed: int, rank: int,
+                 resident: Optional[ResidentData] = None) -> None:
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+        #: The data on the device (:mod:`ddpkit.resident`), or None: the DataLoader path.
+        self.resident = resident
         self.loader_kwargs, self.seed, self.rank = loader_kwargs, seed, rank
         self.epoch = -1          # epoch of the pass in progress (or last finished)
         self.batches_done = 0    # batches handed out in this pass
@@ -164,9 +168,8 @@ class DistributedLoader:
 
     def __len__(self) -> int:
         """Batches per rank in a full epoch."""
-        n = self.sampler.num_samples
-        drop = self.loader_kwargs.get("drop_last", False)
-        return n // self.batch_size if drop else math.ceil(n / self.batch_size)
+        return batches_in(self.sampler.num_samples, self.batch_size,
+                          self.loader_kwargs.get("drop_last", False))
 
     def _dataloader(self) -> DataLoader:
         if self._loader is not None:
@@ -191,10 +194,11 @@ class DistributedLoader:
         self.sampler.set_epoch(self.epoch)
         self.sampler.skip(self._samples_done)
         drop = self.loader_kwargs.get("drop_last", False)
-        remaining = len(self.sampler)
-        self.pass_batches = remaining // self.batch_size if drop else math.ceil(
-            remaining / self.batch_size)
-        for batch in self._dataloader():
+        self.pass_batches = batches_in(len(self.sampler), self.batch_size, drop)
+        batches = (resident_batches(self.resident, list(self.sampler), self.batch_size, drop,
+                                    self.epoch, self.seed)
+                   if self.resident is not None else self._dataloader())
+        for batch in batches:
             self.batches_done += 1
             yield batch
 
@@ -243,8 +247,14 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
                 per_rank_batch: Optional[int] = None, shuffle: bool = True,
                 drop_last: bool = False, seed: int = 0, num_workers: int = 0,
                 persistent_workers: bool = True, device: Optional[torch.device] = None,
-                collate_fn: Optional[Callable] = None, **loader_kwargs: Any) -> DistributedLoader:
+                collate_fn: Optional[Callable] = None, resident: Union[str, bool] = "auto",
+                **loader_kwargs: Any) -> DistributedLoader:
     """Build the training loader from the *global* batch size (or an explicit per-rank one).
+
+    ``resident`` puts the data on ``device`` and gathers each batch there (see
+    :mod:`ddpkit.resident`): ``"auto"`` does so on a GPU when the dataset supports it and fits
+    in a quarter of the free memory, ``True`` always (CPU too), ``False`` never. Resident data
+    ignores ``num_workers`` and ``collate_fn``; the sampler, epochs and resume are the same.
 
     Example::
 
@@ -259,4 +269,6 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
     kwargs = dict(num_workers=num_workers, drop_last=drop_last, collate_fn=collate_fn,
                   persistent_workers=persistent_workers and num_workers > 0,
                   pin_memory=device is not None and device.type == "cuda", **loader_kwargs)
-    return DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank)
+    data = choose_resident(dataset, device, resident) if collate_fn is None or resident is True \
+        else None
+    return DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Mapping, Optional
@@ -19,8 +20,8 @@ from torch.distributed.rendezvous import rendezvous
 from .env import ClusterEnv
 from .errors import ConfigError
 
-__all__ = ["select_device", "resolve_backend", "resolve_init_method", "init_process_group",
-           "shutdown", "DEFAULT_TIMEOUT"]
+__all__ = ["select_device", "check_gpu_sharing", "resolve_backend", "resolve_init_method",
+           "init_process_group", "shutdown", "DEFAULT_TIMEOUT"]
 
 #: Collective timeout. PyTorch's default of 30 minutes turns a dead peer into half an hour of
 #: silence; 10 minutes still leaves room for a slow first-epoch data preparation.
@@ -30,13 +31,18 @@ BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
 
 def select_device(env: ClusterEnv, accelerator: str = "auto",
-                  cuda_count: Optional[int] = None) -> torch.device:
+                  cuda_count: Optional[int] = None, backend: Optional[str] = None) -> torch.device:
     """The device this process owns: ``cuda:<local_rank mod #GPUs>`` when CUDA is there, else CPU.
+
+    More processes than GPUs on a node are refused under NCCL (it needs one GPU per process)
+    and allowed with ``backend="gloo"``: the processes then share the GPUs, which exercises
+    DDP on one GPU (a functional test, not a speed-up); local rank 0 says so in one line.
 
     Example::
 
         device = select_device(env)          # cuda:1 for local rank 1 on a 2-GPU node
         device = select_device(env, "cpu")   # force CPU
+        device = select_device(env, backend="gloo")   # 2 ranks on 1 GPU: both on cuda:0
     """
     if accelerator not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"unknown accelerator {accelerator!r}; use auto, cpu or cuda")
@@ -47,9 +53,29 @@ def select_device(env: ClusterEnv, accelerator: str = "auto",
         raise ConfigError("accelerator 'cuda' was requested but no CUDA device is visible; "
                           "use --accelerator cpu or check CUDA_VISIBLE_DEVICES")
     if env.local_world_size > count:
-        raise ConfigError(f"{env.local_world_size} processes on this node but only {count} "
-                          "CUDA device(s); start at most one process per device")
+        check_gpu_sharing(env.local_world_size, count, backend)
+        if env.local_rank == 0:
+            print(f"note: {env.local_world_size} processes share {count} GPU(s) over gloo: "
+                  "right for testing DDP on one machine, not for speed", file=sys.stderr,
+                  flush=True)
     return torch.device("cuda", env.local_rank % count)
+
+
+def check_gpu_sharing(processes: int, gpus: int, backend: Optional[str]) -> None:
+    """Raise a :class:`ConfigError` unless ``processes`` per node may share ``gpus`` GPUs: only
+    the gloo backend can (NCCL needs one GPU per process).
+
+    Example::
+
+        check_gpu_sharing(2, 1, "gloo")   # fine: both ranks on cuda:0
+        check_gpu_sharing(4, 2, None)     # ConfigError: use --nproc 2, or --backend gloo
+    """
+    if processes <= gpus or backend == "gloo":
+        return
+    why = "NCCL" if backend in (None, "", "auto", "nccl") else f"backend {backend!r}"
+    raise ConfigError(f"{processes} processes on this node but only {gpus} CUDA device(s): "
+                      f"{why} needs one GPU per process; use --nproc {gpus} (or auto), or "
+                      "--backend gloo to let processes share a GPU (for testing, not speed)")
 
 
 def resolve_backend(backend: Optional[str], device: torch.device) -> str:

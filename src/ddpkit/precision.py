@@ -12,7 +12,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["POLICIES", "Precision"]
+__all__ = ["POLICIES", "Precision", "gpu_math"]
 
 POLICIES = ("fp32", "bf16", "fp16")
 
@@ -125,3 +125,20 @@ def _warn_if_bf16_emulated() -> None:
         warnings.warn("bf16 on this CPU is emulated (no avx512_bf16/amx_bf16 flag): expect it to "
                       "run several times SLOWER than fp32 here; use --precision fp32 (with "
                       "--channels-last) on this machine", stacklevel=3)
+
+
+def gpu_math(device: torch.device, *, tf32: bool = True, deterministic: bool = False) -> None:
+    """Fast GPU defaults for training: TF32 matmuls and convolutions, cuDNN autotuning; both off
+    under ``deterministic`` (bitwise-reproducible runs). Does nothing on the CPU.
+
+    Example::
+
+        gpu_math(rt.device)                        # what `ddpkit train` does on a GPU
+        gpu_math(rt.device, deterministic=True)    # exact runs: full fp32, no autotuning
+    """
+    if device.type != "cuda":
+        return
+    fast = tf32 and not deterministic
+    torch.backends.cuda.matmul.allow_tf32 = fast
+    torch.backends.cudnn.allow_tf32 = fast
+    torch.backends.cudnn.benchmark = not deterministic

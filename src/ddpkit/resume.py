@@ -64,14 +64,16 @@ def restore(self: Any) -> None:
     if self.ckpt is None or not self.ckpt.resume:
         return
     # Rank 0 chooses, so every rank resumes from the same file even if one is being damaged.
-    found = (resolve_resume(self.ckpt.resume, self.ckpt.directory, self.rt.device)
+    # Loaded to the CPU on every device: RNG states must be CPU tensors, and load_state_dict
+    # copies weights and optimizer state onto the parameters' device (GPU <-> CPU resumes).
+    found = (resolve_resume(self.ckpt.resume, self.ckpt.directory, "cpu")
              if self.rt.is_main else None)
     chosen = comm.broadcast_object(str(found[0]) if found else None)
     if chosen is None:
         comm.print0(f"no checkpoint in {self.ckpt.directory}: starting fresh")
         return
     path = chosen
-    ckpt = found[1] if found else load_checkpoint(chosen, map_location=self.rt.device)
+    ckpt = found[1] if found else load_checkpoint(chosen, map_location="cpu")
     net, saved = unwrap(self.model), plain_state(ckpt["model"])
     check_compatible(saved, net.state_dict())
     check_optimizer_compatible(ckpt["optimizer"], self.optimizer)

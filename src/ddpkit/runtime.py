@@ -24,7 +24,7 @@ from .evaluate import evaluate
 from .hangs import Progress
 from .seed import seed_everything, set_deterministic
 from .stops import Stops
-from .wrap import WrapOptions, unwrap
+from .wrap import WrapOptions, compile_model, unwrap
 
 __all__ = ["Runtime", "setup"]
 
@@ -71,11 +71,14 @@ class Runtime:
         Example::
 
             model = rt.wrap(Net(), sync_bn=True)
+            model = rt.wrap(Net(), compile=True)   # torch.compile over the DDP module
         """
         engine = self.engine
         if strategy is not None and not engine.serves(strategy):
             engine = engines.create(strategy)
-        return engine.wrap(model, self.env, self.device, WrapOptions(**options))
+        opts = WrapOptions(**options)
+        wrapped = engine.wrap(model, self.env, self.device, opts)
+        return compile_model(wrapped, self.device, opts.compile_mode) if opts.compile else wrapped
 
     def loader(self, dataset: Dataset, batch_size: int, **kwargs: Any) -> DistributedLoader:
         """A loader of this rank's share; ``batch_size`` is the *global* batch. See :func:`make_loader`.
@@ -194,7 +197,7 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
         stops.install()  # a rank of a job; one process (a script, a notebook) keeps Ctrl-C as is
     install_error_hook(env.rank, stops=stops)  # before init: a bad backend is one line as well
     comm.install_rank_warnings(env.rank)
-    device = select_device(env, accelerator)
+    device = select_device(env, accelerator, backend=backend)
     threads = cpu_threads_per_process(env) if device.type == "cpu" else None
     if threads:
         torch.set_num_threads(threads)

@@ -65,8 +65,10 @@ def rng_state() -> Dict[str, Any]:
                           int(has_gauss), float(gauss)]
     except ImportError:
         pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # This process's own GPU only: reading every device's state would create a CUDA
+        # context on each GPU from every rank.
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -79,14 +81,20 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     """
     if "python" in state:
         random.setstate(_as_python_state(state["python"]))
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
+    if "torch" in state:  # CPU state, whatever device the checkpoint was mapped to
+        torch.set_rng_state(state["torch"].cpu())
     if "numpy" in state:
         import numpy as np
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return  # a GPU run resumed on CPU: the CPU streams are all there is
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"].cpu())
+    elif "cuda" in state:  # older checkpoints hold every device's state: take this device's
+        index = torch.cuda.current_device()
+        if index < len(state["cuda"]):
+            torch.cuda.set_rng_state(state["cuda"][index].cpu())
 
 
 def _as_python_state(value: Any) -> tuple:

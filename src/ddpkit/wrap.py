@@ -5,13 +5,18 @@ The wrapping itself is each engine's job: :mod:`ddpkit.engines`.
 """
 from __future__ import annotations
 
+import shutil
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-__all__ = ["WrapOptions", "unwrap"]
+from .errors import ConfigError
+
+__all__ = ["WrapOptions", "unwrap", "compile_model", "compile_unavailable"]
 
 
 @dataclass
@@ -32,6 +37,8 @@ class WrapOptions:
     comm_hook: Optional[str] = None  # fp16 | bf16 | powersgd
     powersgd_rank: int = 2           # matrix approximation rank of PowerSGD
     powersgd_start_iter: int = 10    # plain all-reduce for the first N steps (PowerSGD warm-up)
+    compile: bool = False            # torch.compile the wrapped model (see compile_model)
+    compile_mode: Optional[str] = None  # torch.compile mode: max-autotune, reduce-overhead, ...
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -52,3 +59,49 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def compile_unavailable(device: torch.device) -> Optional[str]:
+    """Why ``torch.compile`` (its default inductor backend) cannot run here, or None.
+
+    Checked before training so that a missing piece is one line instead of a compiler traceback
+    at the first step.
+
+    Example::
+
+        compile_unavailable(torch.device("cpu"))   # None where a C++ compiler is installed
+    """
+    try:
+        import torch._dynamo as dynamo
+        supported = dynamo.is_dynamo_supported()
+    except Exception:  # an import failure is the answer too
+        supported = False
+    if not supported:
+        return (f"torch.compile does not support Python {sys.version_info.major}."
+                f"{sys.version_info.minor} with torch {torch.__version__}")
+    if device.type == "cuda":
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:  # pragma: no cover - very old torch
+            return None
+        if not has_triton():
+            return "torch.compile on GPUs needs triton (pip install triton)"
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "torch.compile on CPU needs a C++ compiler (g++ or clang++) on PATH"
+    return None
+
+
+def compile_model(model: nn.Module, device: torch.device, mode: Optional[str] = None) -> nn.Module:
+    """``torch.compile(model)``, after checking that it can run here (one clear error if not).
+
+    Compile the wrapped model (DDP's optimizer splits the graph at its buckets); checkpoints
+    stay clean because :func:`unwrap` removes the ``_orig_mod.`` layer.
+
+    Example::
+
+        model = compile_model(rt.wrap(Net()), rt.device)
+    """
+    reason = compile_unavailable(device)
+    if reason:
+        raise ConfigError(f"--compile: {reason}; drop --compile to train without it")
+    return torch.compile(model, mode=mode)

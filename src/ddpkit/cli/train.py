@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 from typing import Any, Dict
 
+from ..errors import ConfigError
 from ..job.config import TrainConfig, field_type, merge
 from .flags import add_launch_flags, run_config
 
@@ -17,7 +18,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("job (TrainConfig; also settable in --config)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        kind = field_type(f.name)
+        kind = _cli_type(f.metadata["parse"]) if "parse" in f.metadata else field_type(f.name)
         help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction,
@@ -25,6 +26,16 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text,
                                choices=f.metadata.get("choices"), dest=f.name)
+
+
+def _cli_type(parse: Any) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as exc:  # argparse reports ValueError as "invalid value"
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = "value"
+    return convert
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """
     p = sub.add_parser("train", help="train a built-in model on a built-in dataset",
                        description="Train a built-in model. With no flags: the small CNN on "
-                                   "the embedded digits dataset, 2 processes, exact evaluation.")
+                                   "the embedded digits dataset, one process per GPU (2 on "
+                                   "CPU), exact evaluation.")
     p.add_argument("--config", help="YAML or TOML file with TrainConfig keys (flags win)")
     add_launch_flags(p)
     _add_config_flags(p)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 from ..data import per_rank_batch_size
 from ..engines import create as create_engine
 from ..errors import ConfigError
-from ..wrap import WrapOptions
+from ..wrap import WrapOptions, compile_unavailable
 from .config import TrainConfig
 from .datasets import ON_DISK, available_datasets, dataset_key
 from .disk_datasets import require_pil
@@ -69,6 +71,15 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
                           "drop --sync-bn when training on CPU")
     if cfg.precision == "fp16" and not cuda:
         raise ConfigError("--precision fp16 needs a CUDA device; use --precision bf16 on CPU")
+    if cfg.device_data == "on" and key == "imagefolder":
+        raise ConfigError("--device-data on needs an in-memory dataset (digits, cifar10, "
+                          "cifar100, synthetic); imagefolder is read file by file: use "
+                          "--device-data off or auto")
+    if cfg.compile:
+        reason = compile_unavailable(torch.device("cuda" if cuda and cfg.accelerator != "cpu"
+                                                  else "cpu"))
+        if reason:
+            raise ConfigError(f"--compile: {reason}; drop --compile to train without it")
     if cfg.epochs < 1:
         raise ConfigError(f"--epochs must be >= 1, got {cfg.epochs}")
     if cfg.lr <= 0:

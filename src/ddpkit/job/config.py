@@ -11,13 +11,14 @@ import json
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 from ..engines import STRATEGIES
 from ..engines.ddp import COMM_HOOKS
 from ..errors import ConfigError
 
-__all__ = ["TrainConfig", "load_config_file", "merge", "config_from_dict", "field_type"]
+__all__ = ["TrainConfig", "load_config_file", "merge", "config_from_dict", "field_type",
+           "parse_nproc"]
 
 
 def _opt(default: Any, help: str, choices: Optional[tuple] = None) -> Any:
@@ -34,7 +35,9 @@ class TrainConfig:
     """
 
     # launch
-    nproc: int = _opt(2, "processes on this node")
+    nproc: Union[int, str] = field(default="auto", metadata={
+        "help": "processes on this node: a number, or 'auto' (one per GPU; 2 on CPU)",
+        "parse": lambda v: parse_nproc(v)})
     strategy: str = _opt("ddp", "how the model is replicated (horovod: needs scripts/build_horovod.sh)",
                          STRATEGIES)
     backend: Optional[str] = _opt(None, "process group backend (default: nccl on GPU, gloo on CPU)")
@@ -47,7 +50,10 @@ class TrainConfig:
     synthetic_samples: int = _opt(2048, "training samples of the synthetic dataset")
     image_size: int = _opt(32, "image size for imagefolder")
     augment: bool = _opt(False, "random crop + flip (cifar, imagefolder)")
-    workers: int = _opt(0, "data-loader worker processes per rank")
+    workers: int = _opt(0, "data-loader worker processes per rank (unused with device data)")
+    device_data: str = _opt("auto", "keep the data on the GPU and gather batches there (auto: "
+                            "when it fits in a quarter of free GPU memory; on: also on CPU)",
+                            ("auto", "on", "off"))
     # optimisation
     epochs: int = _opt(12, "training epochs")
     batch_size: int = _opt(64, "GLOBAL batch size (split across processes)")
@@ -61,6 +67,10 @@ class TrainConfig:
     clip_grad: Optional[float] = _opt(None, "clip the gradient norm to this value")
     precision: str = _opt("fp32", "numeric precision", ("fp32", "bf16", "fp16"))
     channels_last: bool = _opt(False, "channels_last memory format for conv nets")
+    compile: bool = _opt(False, "torch.compile the model (needs a C++ compiler on CPU, triton "
+                                "on GPU)")
+    tf32: bool = _opt(True, "GPUs: TF32 matmuls/convolutions and cuDNN autotuning (off under "
+                            "--deterministic)")
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm when world size > 1")
     comm_hook: Optional[str] = _opt(None, "gradient compression (horovod: fp16 only)",
                                     COMM_HOOKS)
@@ -93,6 +103,24 @@ class TrainConfig:
             f.write("\n")
 
 
+def parse_nproc(value: Any) -> Union[int, str]:
+    """``--nproc`` as given: a positive integer, or ``"auto"``; anything else is a ConfigError.
+
+    Example::
+
+        parse_nproc("4"), parse_nproc("auto")   # (4, 'auto')
+    """
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        number = int(value) if not isinstance(value, (bool, float)) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < 1:
+        raise ConfigError(f"nproc must be a positive integer or 'auto', got {value!r}")
+    return number
+
+
 def field_type(name: str) -> Any:
     """The plain type of a :class:`TrainConfig` field (``Optional[int]`` -> ``int``).
 
@@ -105,11 +133,18 @@ def field_type(name: str) -> Any:
     return args[0] if args else hint
 
 
+def _metadata() -> Dict[str, Any]:
+    return {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
+
+
 def _optional(key: str) -> bool:
     return type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[key])
 
 
 def _coerce(key: str, value: Any) -> Any:
+    parse = _metadata()[key].get("parse")
+    if parse is not None:
+        return parse(value)
     want = field_type(key)
     if value is None:
         if _optional(key):

@@ -15,6 +15,7 @@ import torch
 
 from .disk_datasets import ImageFolderDataset, cifar, image_folder
 from ..errors import ConfigError
+from ..resident import ResidentData
 from .images import (CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, IMAGE_EXTENSIONS,
                      IMAGENET_MEAN, IMAGENET_STD, ImageDataset, InMemoryImages, random_crop_flip)
 
@@ -114,6 +115,25 @@ class SyntheticImages(ImageDataset):
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def resident_nbytes(self) -> int:
+        """Bytes of the whole set on a device: float32 images and int64 labels."""
+        c, h, w = self.shape
+        return self.num_samples * (4 * c * h * w + 8)
+
+    def resident(self, device: torch.device) -> ResidentData:
+        """The whole set generated on ``device`` from (seed, split) by that device's generator
+        (so its values differ from the per-item CPU stream, as CUDA's generator differs from
+        the CPU's; the same on every rank and every run).
+
+        Example::
+
+            data = synthetic(50_000).resident(torch.device("cuda", 0))
+        """
+        gen = torch.Generator(device=device).manual_seed(_mix(self.seed, int(self.train)))
+        x = torch.randn((self.num_samples, *self.shape), generator=gen, device=device)
+        y = torch.randint(self.num_classes, (self.num_samples,), generator=gen, device=device)
+        return ResidentData([x, y])
 
     def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
         if not -self.num_samples <= index < self.num_samples:

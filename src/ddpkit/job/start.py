@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -20,12 +20,27 @@ from ..errors import ConfigError
 from ..launch import horovodrun
 from ..launch.torchrun import RunConfig, run
 from .check import check_batch_fits, check_config, known_train_size
-from .config import TrainConfig
+from ..dist import check_gpu_sharing
+from .config import TrainConfig, parse_nproc
 
-__all__ = ["start", "plan", "resume_hint", "WORKER"]
+__all__ = ["start", "plan", "job_nproc", "resume_hint", "WORKER"]
 
 #: The worker module every rank runs: ``python -m ddpkit.job.train CONFIG.json``.
 WORKER = "ddpkit.job.train"
+
+
+def job_nproc(nproc: Union[int, str], gpus: int) -> int:
+    """Processes on this node for ``ddpkit train``: ``auto`` is one per GPU, and 2 without GPUs
+    (1 on a one-core machine): on CPU more processes only split the same cores.
+
+    Example::
+
+        job_nproc("auto", gpus=8), job_nproc("auto", gpus=0), job_nproc(3, gpus=0)   # 8, 2, 3
+    """
+    value = parse_nproc(nproc)
+    if value != "auto":
+        return int(value)
+    return gpus or min(2, os.cpu_count() or 1)
 
 
 def plan(cfg: TrainConfig, launch: RunConfig, inside_launcher: bool) -> str:
@@ -50,17 +65,23 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
 
     Example::
 
-        start(TrainConfig(epochs=2, output="runs/quick"))   # 2 processes on this machine
+        start(TrainConfig(epochs=2, output="runs/quick"))   # one process per GPU (2 on CPU)
     """
     launch = launch or RunConfig(WORKER)
     if launch.max_restarts and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume="auto")  # a restarted worker must pick up its work
-    if cfg.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {cfg.nproc}")
     env = detect(os.environ)
     inside = env.launcher == "torchrun"
+    gpus = torch.cuda.device_count() if cfg.accelerator != "cpu" else 0
+    if cfg.accelerator == "cuda" and not gpus:
+        raise ConfigError("--accelerator cuda: no CUDA device is visible here; use "
+                          "--accelerator cpu (or auto), or check CUDA_VISIBLE_DEVICES")
+    one_process = cfg.strategy in ("dp", "none") and cfg.nproc == "auto"  # dp: 1 over all GPUs
+    cfg = dataclasses.replace(cfg, nproc=1 if one_process else job_nproc(cfg.nproc, gpus))
+    if gpus and not inside:
+        check_gpu_sharing(cfg.nproc, gpus, cfg.backend)
     world = env.world_size if inside else cfg.nproc * launch.nnodes
-    check_config(cfg, world, torch.cuda.is_available())
+    check_config(cfg, world, gpus > 0)
     samples = known_train_size(cfg)
     if samples is not None:
         check_batch_fits(cfg, samples)

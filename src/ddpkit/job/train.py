@@ -14,7 +14,8 @@ from typing import Any
 from .. import comm
 from ..log import RunLogger, banner
 from ..loop import CheckpointPolicy, FitConfig, TrainState, fit
-from ..precision import Precision
+from ..precision import Precision, gpu_math
+from ..resident import describe
 from ..runtime import setup
 from ..seed import seed_everything
 from .build import build_datasets, build_optimizer, build_scheduler, build_wrapped_model
@@ -57,6 +58,7 @@ def train(cfg: TrainConfig) -> TrainState:
                timeout=timedelta(seconds=cfg.timeout_s), deterministic=cfg.deterministic,
                engine=cfg.strategy)
     check_config(cfg, rt.world_size, rt.device.type == "cuda")
+    gpu_math(rt.device, tf32=cfg.tf32, deterministic=cfg.deterministic)
     banner(rt.env, rt.device, rt.backend)
     train_set, test_set = build_datasets(cfg)
     check_batch_fits(cfg, len(train_set))
@@ -66,7 +68,9 @@ def train(cfg: TrainConfig) -> TrainState:
     seed_everything(cfg.seed, rank_offset=1 + rt.rank)
     micro = micro_batch_size(cfg, rt.world_size)
     loader = rt.loader(train_set, batch_size=cfg.batch_size, per_rank_batch=micro,
-                       seed=cfg.seed, num_workers=cfg.workers)
+                       seed=cfg.seed, num_workers=cfg.workers, resident=cfg.device_data)
+    if loader.resident is not None:
+        comm.print0(describe(loader.resident))
     # The engine's optimizer: Horovod's DistributedOptimizer (--comm-hook fp16 compresses there).
     optimizer = rt.optimizer(build_optimizer(cfg, model), model, cfg.accum_steps,
                              compression=cfg.comm_hook)
