@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   - create .venv, install ddpkit, train on the embedded dataset with 2 processes
+#   make demo   - create .venv, install ddpkit, train on the embedded dataset (one process per
+#                 GPU, or 2 on a CPU machine)
 #   make test   - create .venv, install ddpkit + test tools, run the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -7,7 +8,7 @@ VENV   ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-multinode bench bench-quick peers horovod clean
+.PHONY: demo test test-gpu test-multinode bench bench-quick peers horovod clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,12 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed $(VENV)/.horovod
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Only the tests that need a CUDA GPU (marked `gpu`; `make test` runs them too where CUDA is
+# present). Without a GPU they skip with the reason. Every other test pins itself to CPU + gloo.
+test-gpu: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m gpu; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Only the multi-node tests: several "machines" as Linux network namespaces (root), 2.5-4 min.
