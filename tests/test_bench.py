@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from ddpkit.bench import ROWS, BenchConfig, parse_rows, plan_row, skip_reason
+from ddpkit.bench.rows import DEFAULT_ROWS
 from ddpkit.bench.report import (cpu_share, efficiency, median, percentile, render_table,
                                  repeat_figures, summarize)
 from ddpkit.errors import ConfigError
@@ -97,6 +98,32 @@ def test_cpu_skip_reasons():
     assert reasons["ddp"] is None and reasons["zero"] is None
     asked = BenchConfig(rows=["ddp-bf16"], rows_given=True)
     assert skip_reason(ROWS["ddp-bf16"], asked, CPU_CAPS) is None
+
+
+def test_gpu_rows_skip_without_cuda_and_run_with_one_gpu():
+    gpu_rows = [n for n in ROWS if n.startswith("gpu-")]
+    assert set(gpu_rows) <= set(DEFAULT_ROWS)
+    assert {skip_reason(ROWS[n], BenchConfig(), CPU_CAPS) for n in gpu_rows} == {
+        "needs a CUDA GPU (found none)"}
+    one_gpu = dict(CPU_CAPS, cuda_count=1, native_bf16=True)
+    assert all(skip_reason(ROWS[n], BenchConfig(), one_gpu) is None for n in gpu_rows)
+    assert skip_reason(ROWS["dp"], BenchConfig(), one_gpu) == "needs >= 2 CUDA devices (found 1)"
+    loader = plan_row(ROWS["gpu-cpu-loader"], BenchConfig(), one_gpu)["job"]
+    compiled = plan_row(ROWS["gpu-compile"], BenchConfig(), one_gpu)["job"]
+    assert (loader["device_data"], compiled["device_data"], compiled["compile"]) == (
+        "off", "auto", True)
+
+
+def test_ranks_sharing_one_gpu_are_labelled_functional():
+    one_gpu = dict(CPU_CAPS, cuda_count=1, native_bf16=True)
+    plan = plan_row(ROWS["ddp"], BenchConfig(nproc=2), one_gpu)
+    assert plan["job"]["backend"] == "gloo"
+    assert plan["functional"] == "functional, not speed: 2 processes share 1 GPU(s) over gloo"
+    assert plan_row(ROWS["ddp"], BenchConfig(nproc=2), CPU_CAPS)["functional"] is None
+    record = _record("ddp", [10.0])
+    record["plan"]["functional"] = plan["functional"]
+    table = render_table([summarize(record, None, 50_000)])
+    assert "ok; functional, not speed: 2 processes share 1 GPU(s) over gloo" in table
 
 
 def test_plan_threads_and_workers():

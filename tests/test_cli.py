@@ -78,8 +78,9 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
     (["train", "--batch-size", "63"], "not divisible by world size 2"),
     (["train", "--precision", "fp16"], "fp16 needs a CUDA device"),
     (["train", "--sync-bn"], "--sync-bn needs GPUs"),
-    (["train", "--strategy", "dp"], "use --nproc 1"),
-    (["train", "--nproc", "0"], "--nproc must be >= 1"),
+    (["train", "--strategy", "dp", "--nproc", "2"], "use --nproc 1"),
+    (["train", "--nproc", "0"], "--nproc (nproc) must be a positive integer or 'auto', got '0'"),
+    (["train", "--accelerator", "cuda"], "--accelerator cuda: no CUDA device is visible"),
 ])
 def test_bad_input_gives_one_error_line(args, message):
     res = ddpkit(*args, timeout=60)

@@ -269,6 +269,6 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
     kwargs = dict(num_workers=num_workers, drop_last=drop_last, collate_fn=collate_fn,
                   persistent_workers=persistent_workers and num_workers > 0,
                   pin_memory=device is not None and device.type == "cuda", **loader_kwargs)
-    data = choose_resident(dataset, device, resident) if collate_fn is None or resident is True \
-        else None
+    data = choose_resident(dataset, device or torch.device("cpu"), resident) \
+        if collate_fn is None or resident is True else None
     return DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)

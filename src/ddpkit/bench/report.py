@@ -101,7 +101,8 @@ def summarize(row: Dict[str, Any], baseline: Optional[Dict[str, Any]],
 
         summarize(record, records.get("single-1t"), 50_000)["images_s"]
     """
-    out: Dict[str, Any] = {"row": row["name"], "status": row["status"], "reason": row["reason"]}
+    out: Dict[str, Any] = {"row": row["name"], "status": row["status"], "reason": row["reason"],
+                           "functional": row.get("plan", {}).get("functional")}
     reps = [r for r in row["repeats"] if "images_s" in r]
     if not reps:
         return out
@@ -132,7 +133,8 @@ def _span(pair: Optional[List[float]], spec: str) -> str:
 
 def _status(s: Dict[str, Any]) -> str:
     if s["status"] == "ok":
-        return "ok" + (f" ({s['rounds']} rounds)" if s.get("rounds", 1) > 1 else "")
+        note = f"; {s['functional']}" if s.get("functional") else ""
+        return "ok" + (f" ({s['rounds']} rounds)" if s.get("rounds", 1) > 1 else "") + note
     return f"{s['status']}: {s['reason']}"
 
 

@@ -36,6 +36,9 @@ class Row:
     sync_bn: bool = False
     zero: bool = False
     engine: str = "ddpkit"      # or "horovod"
+    gpu: bool = False           # one process on one GPU (skipped without CUDA)
+    device_data: str = "auto"   # data on the device (auto: on a GPU when it fits) or "off"
+    compile: bool = False       # torch.compile
 
 
 #: Every row, in table order.
@@ -59,6 +62,20 @@ ROWS: Dict[str, Row] = {r.name: r for r in (
     Row("ddp-powersgd", "DDP + PowerSGD rank-2 compression (comm hook)", comm_hook="powersgd"),
     Row("zero", "DDP + ZeroRedundancyOptimizer (optimizer state sharded)", zero=True),
     Row("horovod", "Horovod over gloo, N processes", engine="horovod"),
+    # One GPU: precision, memory format, compilation and where the data lives.
+    Row("gpu-fp32", "one process on one GPU, fp32 (TF32 matmuls), data on the GPU", single=True,
+        strategy="none", gpu=True),
+    Row("gpu-bf16", "one GPU, bf16 autocast", single=True, strategy="none", gpu=True,
+        precision="bf16"),
+    Row("gpu-fp16", "one GPU, fp16 autocast + GradScaler", single=True, strategy="none",
+        gpu=True, precision="fp16"),
+    Row("gpu-bf16-cl", "one GPU, bf16 + channels_last", single=True, strategy="none", gpu=True,
+        precision="bf16", channels_last=True),
+    Row("gpu-compile", "one GPU, bf16 + channels_last + torch.compile", single=True,
+        strategy="none", gpu=True, precision="bf16", channels_last=True, compile=True),
+    Row("gpu-cpu-loader", "one GPU, bf16 + channels_last, batches from the CPU loader "
+        "(per-item dataset + collate + copy)", single=True, strategy="none", gpu=True,
+        precision="bf16", channels_last=True, device_data="off"),
 )}
 
 #: Rows run when --rows is not given. ``indep`` and ``ddp-cl`` are diagnostics: ask for them.
@@ -166,6 +183,8 @@ def skip_reason(row: Row, cfg: BenchConfig, caps: Dict[str, Any]) -> Optional[st
         skip_reason(ROWS["dp"], BenchConfig(), {"cuda_count": 0})   # 'needs >= 2 CUDA devices'
     """
     cuda = caps["cuda_count"]
+    if row.gpu and not cuda:
+        return "needs a CUDA GPU (found none)"
     if row.strategy == "dp" and cuda < 2:
         return f"needs >= 2 CUDA devices (found {cuda})"
     if row.precision == "fp16" and not cuda:
@@ -192,6 +211,9 @@ def plan_row(row: Row, cfg: BenchConfig, caps: Dict[str, Any]) -> Dict[str, Any]
         plan_row(ROWS["ddp"], BenchConfig(), caps)["nprocs"]   # 2
     """
     nprocs = 1 if row.single else cfg.nproc
+    # More processes than GPUs: they share them over gloo (NCCL cannot), which shows DDP works
+    # there but measures nothing a real multi-GPU job would see.
+    sharing = 0 < caps["cuda_count"] < nprocs and row.engine == "ddpkit"
     threads = (os.cpu_count() or 1) if row.all_threads else 1 if row.single else cfg.threads
     devices = caps["cuda_count"] if row.strategy == "dp" else 1
     job = dict(model=cfg.model, batch=cfg.batch * devices, threads=threads, steps=cfg.steps,
@@ -199,6 +221,9 @@ def plan_row(row: Row, cfg: BenchConfig, caps: Dict[str, Any]) -> Dict[str, Any]
                strategy=row.strategy, accum=row.accum, accum_k=cfg.accum_steps,
                comm_hook=row.comm_hook, sync_bn=row.sync_bn, zero=row.zero,
                accuracy=cfg.accuracy, epochs=cfg.epochs, lr=cfg.lr, seed=cfg.seed,
-               workers=cfg.workers, epoch_size=cfg.epoch_size)
+               workers=cfg.workers, epoch_size=cfg.epoch_size, device_data=row.device_data,
+               compile=row.compile, backend="gloo" if sharing else None)
     return {"nprocs": nprocs, "threads": threads, "workers": nprocs * threads,
-            "global_batch": nprocs * cfg.batch * devices, "engine": row.engine, "job": job}
+            "global_batch": nprocs * cfg.batch * devices, "engine": row.engine, "job": job,
+            "functional": (f"functional, not speed: {nprocs} processes share "
+                           f"{caps['cuda_count']} GPU(s) over gloo") if sharing else None}

@@ -15,7 +15,7 @@ from .. import comm
 from ..accumulate import Accumulator
 from ..job.datasets import build_dataset, synthetic
 from ..job.build import replicated_model
-from ..precision import Precision
+from ..precision import Precision, gpu_math
 from ..runtime import Runtime, setup
 
 __all__ = ["run_row", "optimizer_state_bytes"]
@@ -47,7 +47,8 @@ def _model(job: Dict[str, Any], rt: Runtime, train_set: Any) -> nn.Module:
     # (2 is the earliest PowerSGD allows with error feedback).
     return replicated_model(rt, job["model"], train_set, job["seed"], job["channels_last"],
                             strategy=job["strategy"], sync_bn=job["sync_bn"],
-                            comm_hook=job["comm_hook"], powersgd_start_iter=2)
+                            comm_hook=job["comm_hook"], powersgd_start_iter=2,
+                            compile=job.get("compile", False))
 
 
 def _optimizer(job: Dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
@@ -119,7 +120,8 @@ def _peak_mb(device: torch.device) -> float:
 def _loader(job: Dict[str, Any], rt: Runtime, train_set: Any) -> Any:
     micro = job["batch"] // (job["accum_k"] if job["accum"] else 1)
     return rt.loader(train_set, batch_size=micro * rt.world_size, per_rank_batch=micro,
-                     seed=job["seed"], num_workers=job["workers"], drop_last=True)
+                     seed=job["seed"], num_workers=job["workers"], drop_last=True,
+                     resident=job.get("device_data", "auto"))
 
 
 def run_row(job: Dict[str, Any]) -> Dict[str, Any]:
@@ -129,7 +131,8 @@ def run_row(job: Dict[str, Any]) -> Dict[str, Any]:
 
         ddpkit.launch(run_row, 2, {"model": "resnet18", "batch": 64, ...})
     """
-    rt = setup(seed=job["seed"])
+    rt = setup(seed=job["seed"], backend=job.get("backend"))
+    gpu_math(rt.device)  # TF32 and cuDNN autotuning, as `ddpkit train` runs
     torch.set_num_threads(job["threads"])  # explicit: the row defines the threads, not the env
     train_set, test_set = _datasets(job)
     model = _model(job, rt, train_set)

@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 from typing import Any, Dict
 
-from ..errors import ConfigError
 from ..job.config import TrainConfig, field_type, merge
 from .flags import add_launch_flags, run_config
 
@@ -18,7 +17,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("job (TrainConfig; also settable in --config)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        kind = _cli_type(f.metadata["parse"]) if "parse" in f.metadata else field_type(f.name)
+        kind = str if "parse" in f.metadata else field_type(f.name)  # parsed by the config
         help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction,
@@ -26,16 +25,6 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text,
                                choices=f.metadata.get("choices"), dest=f.name)
-
-
-def _cli_type(parse: Any) -> Any:
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ConfigError as exc:  # argparse reports ValueError as "invalid value"
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    convert.__name__ = "value"
-    return convert
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

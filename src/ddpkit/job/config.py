@@ -117,7 +117,7 @@ def parse_nproc(value: Any) -> Union[int, str]:
     except (TypeError, ValueError):
         number = None
     if number is None or number < 1:
-        raise ConfigError(f"nproc must be a positive integer or 'auto', got {value!r}")
+        raise ConfigError(f"--nproc (nproc) must be a positive integer or 'auto', got {value!r}")
     return number
 
 
