@@ -291,3 +291,21 @@ def test_two_ranks_one_writer_and_a_rank0_failure_reaches_both(tmp_path):
     for error in out["errors"]:
         assert error is not None and error.startswith("DDPKitError: saving checkpoint")
         assert "File exists" in error
+
+
+def test_rng_state_survives_a_checkpoint_written_on_another_device(tmp_path):
+    from ddpkit.seed import rng_state, set_rng_state
+
+    torch.manual_seed(3)
+    state = rng_state()
+    assert "cuda_device" not in state  # no GPU in use: nothing of CUDA is read or created
+    expected = torch.rand(3)
+    # What a GPU run's checkpoint holds: its own device's CUDA state, and (older checkpoints)
+    # every device's; on a machine without CUDA both are skipped and the CPU streams restored.
+    state["cuda_device"] = torch.zeros(16, dtype=torch.uint8)
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8)]
+    save_checkpoint({"rng": [state]}, tmp_path, step=1)
+    loaded = load_checkpoint(find_latest(tmp_path)[0])
+    torch.rand(5)
+    set_rng_state(loaded["rng"][0])
+    assert torch.equal(torch.rand(3), expected)
