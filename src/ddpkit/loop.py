@@ -17,8 +17,10 @@ from torch import nn
 from . import comm
 from .accumulate import Accumulator
 from .checkpoint import save_checkpoint
+from .batches import (batch_size_of, cross_entropy, forward, logits_of, step_sums, targets_of,
+                      to_device)
 from .data import DistributedLoader
-from .errors import DDPKitError
+from .errors import ConfigError, DDPKitError
 from .log import RunLogger, progress
 from .precision import Precision
 from .resume import TrainState, restore, run_state
@@ -60,7 +62,9 @@ class FitConfig:
     """
 
     epochs: int
-    loss_fn: Optional[Callable[..., torch.Tensor]] = None  # default: cross-entropy
+    loss_fn: Optional[Callable[..., torch.Tensor]] = None  # default: cross-entropy, any shape
+    step: Optional[Callable[[nn.Module, Any], Any]] = None  # model, batch -> loss or sums
+    eval_topk: Sequence[int] = (1, 5)                       # () for none
     precision: Optional[Precision] = None                  # default: fp32 on the rank's device
     accum_steps: int = 1
     clip_norm: Optional[float] = None
@@ -120,8 +124,9 @@ class _Fit:
         self.state = TrainState()
         self.logger: Optional[RunLogger] = cfg.logger
         self.ckpt: Optional[CheckpointPolicy] = cfg.checkpoint
-        self.loss_fn: Callable[..., torch.Tensor] = cfg.loss_fn or nn.functional.cross_entropy
+        self.loss_fn: Callable[..., torch.Tensor] = cfg.loss_fn or cross_entropy
         self.resumed_mid_epoch = False
+        self._step_gives_sums = True  # a step returning a bare loss is not used to evaluate
         self.start_position = (0, 0)   # (epoch, global samples done in it) where this run starts
         self._epoch_done = False
         self._last_ckpt_time = time.monotonic()
@@ -150,17 +155,38 @@ class _Fit:
         return due
 
     # ------------------------------------------------------------------ training
-    def _forward_backward(self, batch: Sequence[torch.Tensor], last: bool) -> torch.Tensor:
-        x, y = self.rt.to_device(*batch[:2])
-        if self.cfg.channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+    def _forward_backward(self, batch: Any, last: bool) -> torch.Tensor:
+        batch = to_device(batch, self.rt.device)
+        if self.cfg.channels_last and isinstance(batch, (list, tuple)) and \
+                torch.is_tensor(batch[0]) and batch[0].dim() == 4:
+            batch = [batch[0].contiguous(memory_format=torch.channels_last), *batch[1:]]
         with self.acc.micro_step(last=last):
             with self.precision.autocast():
-                loss = self.loss_fn(self.model(x), y)
+                loss = self._loss(batch)
             if self._check_every_micro_step:
                 self._check_finite(loss.detach())
             self.acc.backward(loss)
         return loss.detach()
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """This micro-batch's training loss: the user's ``step``, the model's own ``.loss``
+        (Hugging Face, when no ``loss_fn`` is given), or ``loss_fn(logits, targets)``."""
+        if self.cfg.step is not None:
+            result = self.cfg.step(self.model, batch)
+            self._step_gives_sums = not torch.is_tensor(result)
+            if torch.is_tensor(result) and result.numel() == 1:
+                return result.reshape(())
+            pairs = step_sums(result)
+            if "loss" not in pairs:
+                raise ConfigError(f"a training step must return a loss tensor or sums with a "
+                                  f"'loss' entry; got {', '.join(pairs)}")
+            total, count = pairs["loss"]
+            return total / count.clamp(min=1)
+        out = forward(self.model, batch)
+        own = getattr(out, "loss", None)
+        if self.cfg.loss_fn is None and torch.is_tensor(own):
+            return own
+        return self.loss_fn(logits_of(out), targets_of(batch))
 
     @property
     def _check_every_micro_step(self) -> bool:
@@ -191,7 +217,7 @@ class _Fit:
             loss = self._forward_backward(batch, self.loader.at_last_batch)
             for hook in self.cfg.hooks:
                 hook.on_batch_end(self, batch)
-            n = batch[0].shape[0]
+            n = batch_size_of(batch)
             loss_sum += loss.double() * n
             seen += n
             if self.acc.stepped:
@@ -267,8 +293,10 @@ class _Fit:
         if self.cfg.eval_data is None:
             return {}
         result = self.rt.evaluate(self.model, self.cfg.eval_data,
-                                  batch_size=self.cfg.eval_batch_size, loss_fn=self.loss_fn,
-                                  precision=self.precision, channels_last=self.cfg.channels_last)
+                                  batch_size=self.cfg.eval_batch_size, loss_fn=self.cfg.loss_fn,
+                                  precision=self.precision, channels_last=self.cfg.channels_last,
+                                  step=self.cfg.step if self._step_gives_sums else None,
+                                  topk=self.cfg.eval_topk)
         return {f"eval/{k}": v for k, v in result.items()}
 
     def run(self) -> TrainState:

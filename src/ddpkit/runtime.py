@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import comm, engines
+from .batches import to_device
 from .crash import install_error_hook
 from .data import DistributedLoader, make_loader
 from .dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
@@ -89,15 +90,31 @@ class Runtime:
         """
         return make_loader(dataset, batch_size, self.env, device=self.device, **kwargs)
 
-    def to_device(self, *tensors: torch.Tensor) -> Any:
-        """Move tensors to this rank's device (one tensor in, one out; several in, a tuple out).
+    def to_device(self, *batches: Any) -> Any:
+        """Move tensors, or batches of any structure (tuples, lists, dicts), to this rank's
+        device: one in, one out; several in, a tuple out.
 
         Example::
 
             x, y = rt.to_device(x, y)
+            batch = rt.to_device({"input_ids": ids, "labels": ids})
         """
-        moved = tuple(t.to(self.device, non_blocking=True) for t in tensors)
+        moved = tuple(to_device(b, self.device) for b in batches)
         return moved[0] if len(moved) == 1 else moved
+
+    def mean(self, value: Any) -> float:
+        """The mean of ``value`` (a number or a tensor's mean) over all ranks, on every rank: the
+        number to log, the same at any world size for equal shards. Collective: every rank
+        calls it.
+
+        Example::
+
+            rt.print0(f"step {step}: loss {rt.mean(loss):.4f}")   # not rank 0's shard alone
+        """
+        if torch.is_tensor(value):
+            value = value.detach().float().mean()
+            return float(comm.reduce(value.reshape(1).to(torch.float64), "mean"))
+        return float(comm.reduce(float(value), "mean"))
 
     def evaluate(self, model: nn.Module, data: Dataset, **kwargs: Any) -> dict:
         """Exact distributed evaluation on this rank's device; see :func:`ddpkit.evaluate`.
