@@ -183,9 +183,9 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor,
     """
     flat_logits, flat_targets = aligned(logits, targets, shift)
     count = (flat_targets != ignore_index).sum()
-    if loss_fn is None:
+    if loss_fn is None:  # per-target losses summed in float64: the same at any batch split
         total = F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=ignore_index,
-                                reduction="sum")
+                                reduction="none").double().sum()
     elif _takes_reduction(loss_fn):
         total = loss_fn(flat_logits.float(), flat_targets, reduction="sum")
     else:

@@ -364,9 +364,15 @@ def format_epoch(m: Dict[str, float], epochs: int) -> str:
         format_epoch({"epoch": 1, "train/loss": 0.5}, 10)   # 'epoch 1/10  loss 0.5000'
     """
     parts = [f"epoch {m['epoch']}/{epochs}", f"loss {m['train/loss']:.4f}"]
-    if "eval/top1" in m:
-        parts.append(f"eval loss {m['eval/loss']:.4f}  top1 {m['eval/top1']:.2f}%  "
-                     f"top5 {m.get('eval/top5', float('nan')):.2f}%  ({m['eval/count']} samples)")
+    if "eval/loss" in m:
+        scores = "  ".join(f"{k[5:]} {v:.2f}%" for k, v in m.items()
+                           if k.startswith("eval/top") and isinstance(v, float))
+        others = "  ".join(f"{k[5:]} {v:.4g}" for k, v in m.items() if k.startswith("eval/")
+                           and k[5:] not in ("loss", "count") and not k.startswith("eval/top")
+                           and isinstance(v, float))
+        parts.append("  ".join(p for p in (f"eval loss {m['eval/loss']:.4f}", scores, others,
+                                           f"({m['eval/count']} targets)")
+                               if p))
     if "train/samples_per_s" in m:
         parts.append(f"{m['train/samples_per_s']:.0f} samples/s  step {m['train/step_ms']:.1f} ms")
     return "  ".join(parts)
