@@ -65,6 +65,7 @@ class FitConfig:
     loss_fn: Optional[Callable[..., torch.Tensor]] = None  # default: cross-entropy, any shape
     step: Optional[Callable[[nn.Module, Any], Any]] = None  # model, batch -> loss or sums
     eval_topk: Sequence[int] = (1, 5)                       # () for none
+    perplexity: bool = False                                # also exp(eval loss): language models
     precision: Optional[Precision] = None                  # default: fp32 on the rank's device
     accum_steps: int = 1
     clip_norm: Optional[float] = None
@@ -297,6 +298,8 @@ class _Fit:
                                   precision=self.precision, channels_last=self.cfg.channels_last,
                                   step=self.cfg.step if self._step_gives_sums else None,
                                   topk=self.cfg.eval_topk)
+        if self.cfg.perplexity and "loss" in result:
+            result["perplexity"] = math.exp(min(result["loss"], 700.0))
         return {f"eval/{k}": v for k, v in result.items()}
 
     def run(self) -> TrainState:

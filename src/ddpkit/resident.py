@@ -42,6 +42,7 @@ def _gather(tensors: Sequence[torch.Tensor], index: torch.Tensor, epoch: int, se
 class ResidentData:
     """A dataset's tensors on a device and the function that makes a batch from indices.
 
+    ``length`` is the number of items when it is not the tensors' first dimension.
     ``batch_fn(tensors, index, epoch, seed)`` gets the device tensors, the batch's dataset
     indices (a device tensor), the epoch and the loader's seed; the default gathers each tensor
     (what ``TensorDataset`` + the default collate give). Randomness drawn from ``(seed, epoch,
@@ -54,14 +55,16 @@ class ResidentData:
         x, y = data.batch(torch.tensor([3, 1], device=dev), epoch=0, seed=0)
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], batch_fn: Optional[BatchFn] = None) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], batch_fn: Optional[BatchFn] = None,
+                 length: Optional[int] = None) -> None:
         self.tensors = list(tensors)
         self.batch_fn: BatchFn = batch_fn or _gather
         lengths = {len(t) for t in self.tensors}
-        if len(lengths) != 1:
+        if length is None and len(lengths) != 1:
             raise ConfigError(f"device-resident tensors must have the same first dimension, "
                               f"got {sorted(lengths)}")
-        self.length = lengths.pop()
+        #: Items (a batch function may make several from one row: text windows do).
+        self.length = length if length is not None else lengths.pop()
         self.device = self.tensors[0].device
 
     def batch(self, index: torch.Tensor, epoch: int, seed: int) -> Any:

@@ -34,6 +34,8 @@ def build_datasets(cfg: TrainConfig) -> Tuple[Any, Any]:
         kw = {"augment": cfg.augment, "image_size": cfg.image_size}
     elif key == "synthetic":
         kw = {"num_samples": cfg.synthetic_samples, "num_classes": 10}
+    elif key == "text":
+        kw = {"context": cfg.context}
     test_kw = dict(kw, augment=False) if "augment" in kw else dict(kw)
     if key == "synthetic":
         test_kw["num_samples"] = max(256, cfg.synthetic_samples // 5)
@@ -89,7 +91,8 @@ def replicated_model(rt: Runtime, name: str, train_set: Any, seed: int,
         model = replicated_model(rt, "small_cnn", train_set, seed=0, sync_bn=False)
     """
     torch.manual_seed(seed)  # identical initial weights on every rank
-    model = build_model(name, train_set.num_classes, train_set.in_channels)
+    model = build_model(name, train_set.num_classes, train_set.in_channels,
+                        **getattr(train_set, "model_options", {}))
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if summary:

@@ -15,7 +15,7 @@ from ..wrap import WrapOptions, compile_unavailable
 from .config import TrainConfig
 from .datasets import ON_DISK, available_datasets, dataset_key
 from .disk_datasets import require_pil
-from .models import available_models, is_torchvision, model_key
+from .models import LANGUAGE_MODELS, available_models, is_torchvision, model_key
 
 __all__ = ["check_config", "micro_batch_size", "check_batch_fits", "known_train_size"]
 
@@ -54,6 +54,13 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
     if key in ON_DISK and (not cfg.data_dir or not os.path.isdir(cfg.data_dir)):
         raise ConfigError(f"dataset {cfg.data!r} needs an existing --data-dir (got "
                           f"{cfg.data_dir!r}); nothing is downloaded")
+    language = model_key(cfg.model) in LANGUAGE_MODELS
+    if language != (key == "text"):
+        raise ConfigError(f"model {cfg.model!r} takes token sequences, use --data text" if language
+                          else f"--data text needs a language model: use --model "
+                               f"{LANGUAGE_MODELS[0]} (model {cfg.model!r} takes images)")
+    if cfg.context < 1:
+        raise ConfigError(f"--context must be >= 1, got {cfg.context}")
     # Optional packages the request needs: named here, before any worker starts.
     if key == "imagefolder":
         require_pil()
@@ -101,9 +108,10 @@ def known_train_size(cfg: TrainConfig) -> int | None:
     key = dataset_key(cfg.data)
     if key == "synthetic":
         return cfg.synthetic_samples
-    if key == "digits":
+    if key in ("digits", "text"):
         from .datasets import build_dataset
-        return len(build_dataset("digits", train=True))
+        extra = {"context": cfg.context} if key == "text" else {}
+        return len(build_dataset(key, cfg.data_dir, train=True, **extra))
     return None
 
 

@@ -44,9 +44,12 @@ class TrainConfig:
     accelerator: str = _opt("auto", "device type", ("auto", "cpu", "cuda"))
     timeout_s: float = _opt(600.0, "collective timeout in seconds")
     # model and data
-    model: str = _opt("small_cnn", "built-in model name or torchvision:NAME")
+    model: str = _opt("small_cnn", "built-in model name (gpt: a language model for --data text) "
+                                   "or torchvision:NAME")
     data: str = _opt("digits", "dataset name")
-    data_dir: Optional[str] = _opt(None, "dataset root for cifar10/cifar100/imagefolder")
+    data_dir: Optional[str] = _opt(None, "dataset root for cifar10/cifar100/imagefolder; text: "
+                                         "a text file or directory (default: ddpkit's sources)")
+    context: int = _opt(128, "text: tokens (bytes) per training sequence")
     synthetic_samples: int = _opt(2048, "training samples of the synthetic dataset")
     image_size: int = _opt(32, "image size for imagefolder")
     augment: bool = _opt(False, "random crop + flip (cifar, imagefolder)")

@@ -14,13 +14,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .disk_datasets import ImageFolderDataset, cifar, image_folder
+from .text import TextBytes, text
 from ..errors import ConfigError
 from ..resident import ResidentData
 from .images import (CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, IMAGE_EXTENSIONS,
                      IMAGENET_MEAN, IMAGENET_STD, ImageDataset, InMemoryImages, random_crop_flip)
 
-__all__ = ["ImageDataset", "InMemoryImages", "ImageFolderDataset", "SyntheticImages",
-           "random_crop_flip", "digits", "cifar", "image_folder", "synthetic",
+__all__ = ["ImageDataset", "InMemoryImages", "ImageFolderDataset", "SyntheticImages", "TextBytes",
+           "random_crop_flip", "digits", "cifar", "image_folder", "synthetic", "text",
            "DATASETS", "available_datasets", "build_dataset",
            "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR100_MEAN", "CIFAR100_STD",
            "IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_EXTENSIONS"]
@@ -173,12 +174,13 @@ def synthetic(num_samples: Optional[int] = None, shape: Sequence[int] = (3, 32, 
 #: Example::
 #:
 #:     ds = DATASETS["cifar10"]("~/data", train=False)
-DATASETS: Dict[str, Callable[..., ImageDataset]] = {
+DATASETS: Dict[str, Callable[..., Any]] = {
     "digits": digits,
     "cifar10": functools.partial(cifar, num_classes=10),
     "cifar100": functools.partial(cifar, num_classes=100),
     "imagefolder": image_folder,
     "synthetic": synthetic,
+    "text": text,
 }
 
 _NEEDS_ROOT = {"cifar10": "PATH/cifar-10-batches-py/", "cifar100": "PATH/cifar-100-python/",
@@ -236,6 +238,8 @@ def build_dataset(name: str, root: Optional[PathLike] = None, train: bool = True
     if unknown:
         raise ConfigError(f"dataset {key!r} has no option {', '.join(unknown)}; its options: "
                           f"{', '.join(_options(builder)) or 'none'}")
+    if key == "text":  # a directory of text, or ddpkit's own sources
+        return builder(root, train=train, **kw)
     if key not in _NEEDS_ROOT:
         return builder(train=train, **kw)
     if root is None:

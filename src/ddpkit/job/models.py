@@ -1,10 +1,11 @@
-"""Built-in models (a small CNN, CIFAR-style ResNets), a name registry and a parameter summary.
+"""Built-in models (a small CNN, CIFAR-style ResNets, a small GPT), a name registry and a
+parameter summary.
 
 Optional torchvision models are reachable as ``torchvision:<name>``; torchvision is never required.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ from ..errors import ConfigError
 from ..wrap import unwrap
 
 __all__ = ["SmallCNN", "BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet34", "resnet50",
+           "GPT", "gpt", "LANGUAGE_MODELS",
            "MODELS", "available_models", "build_model", "model_summary", "format_count"]
 
 TORCHVISION_PREFIX = "torchvision:"
@@ -189,6 +191,74 @@ def resnet50(num_classes: int = 10, in_channels: int = 3) -> ResNet:
     return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, in_channels)
 
 
+class Block(nn.Module):
+    """One pre-norm transformer decoder block: causal self-attention, then a 4x MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer language model: token ids ``(B, T)`` in, logits
+    ``(B, T, vocab)`` out (GPT-2 layout: learned positions, pre-norm blocks, tied head).
+
+    Example::
+
+        model = GPT(vocab=256, context=128, dim=128, layers=4, heads=4)   # 0.8 M parameters
+        logits = model(torch.randint(0, 256, (2, 128)))                   # (2, 128, 256)
+    """
+
+    def __init__(self, vocab: int = 256, context: int = 128, dim: int = 128, layers: int = 4,
+                 heads: int = 4) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ConfigError(f"gpt: dim {dim} must be a multiple of heads {heads}")
+        self.context = context
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied input and output embeddings
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        if t > self.context:
+            raise ConfigError(f"gpt: sequences of {t} tokens exceed its context of "
+                              f"{self.context}")
+        x = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def gpt(num_classes: int = 256, in_channels: int = 1, context: int = 128) -> GPT:
+    """The built-in language model: ``num_classes`` is the vocabulary (256 bytes), 4 blocks of
+    width 128 (``in_channels`` is unused: tokens have none).
+
+    Example::
+
+        model = gpt(num_classes=256, context=128)
+    """
+    return GPT(vocab=num_classes, context=context)
+
+
 def _small_cnn(num_classes: int = 10, in_channels: int = 1) -> SmallCNN:
     return SmallCNN(in_channels=in_channels, num_classes=num_classes)
 
@@ -203,7 +273,11 @@ MODELS: Dict[str, Callable[..., nn.Module]] = {
     "resnet18": resnet18,
     "resnet34": resnet34,
     "resnet50": resnet50,
+    "gpt": gpt,
 }
+
+#: Built-in models that take token sequences (the ``text`` data) rather than images.
+LANGUAGE_MODELS = ("gpt",)
 
 
 def model_key(name: str) -> str:
@@ -258,7 +332,7 @@ def _build_torchvision(name: str, num_classes: int, in_channels: int) -> nn.Modu
                           "torchvision.models.list_models()") from None
 
 
-def build_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
+def build_model(name: str, num_classes: int, in_channels: int, **options: Any) -> nn.Module:
     """A freshly initialised model by name: a built-in, or ``torchvision:<name>``.
 
     Example::
@@ -272,7 +346,7 @@ def build_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
     if key not in MODELS:
         raise ConfigError(f"unknown model {name!r}; valid models: "
                           f"{', '.join(available_models())}, or torchvision:<name>")
-    return MODELS[key](num_classes=num_classes, in_channels=in_channels)
+    return MODELS[key](num_classes=num_classes, in_channels=in_channels, **options)
 
 
 def format_count(n: float) -> str:

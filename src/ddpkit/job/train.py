@@ -21,6 +21,7 @@ from ..seed import seed_everything
 from .build import build_datasets, build_optimizer, build_scheduler, build_wrapped_model
 from .check import check_batch_fits, check_config, micro_batch_size
 from .config import TrainConfig, config_from_dict
+from .datasets import dataset_key
 
 __all__ = ["train", "main"]
 
@@ -43,7 +44,7 @@ def fit_config(cfg: TrainConfig, rt: Any, test_set: Any, scheduler: Any,
         eval_batch_size=cfg.eval_batch_size, logger=RunLogger(cfg.output), checkpoint=policy,
         max_steps=cfg.max_steps, skip_nonfinite=cfg.skip_nonfinite,
         channels_last=cfg.channels_last, log_every=cfg.log_every, progress=cfg.progress,
-        config=cfg.to_dict())
+        perplexity=dataset_key(cfg.data) == "text", config=cfg.to_dict())
 
 
 def train(cfg: TrainConfig) -> TrainState:
@@ -92,7 +93,11 @@ def _report(cfg: TrainConfig, state: TrainState) -> None:
                "steps": state.step, "epochs": state.epoch}
     with open(os.path.join(cfg.output, "results.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    if "eval/top1" in last:
+    if "eval/perplexity" in last:
+        print(f"final: validation loss {last['eval/loss']:.4f}, perplexity "
+              f"{last['eval/perplexity']:.2f}, next-byte top-1 {last['eval/top1']:.2f}% over "
+              f"{last['eval/count']} tokens; run dir {cfg.output}", flush=True)
+    elif "eval/top1" in last:
         print(f"final: top-1 {last['eval/top1']:.2f}% on {last['eval/count']} test samples "
               f"(best {state.best:.2f}% at epoch {state.best_epoch}); run dir {cfg.output}",
               flush=True)
