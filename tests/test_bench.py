@@ -141,6 +141,18 @@ def test_accumulation_batch_must_split():
 
 
 @pytest.mark.slow
+def test_bench_a_language_model(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--model", "gpt", "--rows",
+                           "single-1t,ddp", "--steps", "2", "--repeats", "1", "--output",
+                           str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((out / "results.json").read_text())["summary"]
+    assert [(r["row"], r["status"]) for r in rows] == [("single-1t", "ok"), ("ddp", "ok")]
+    assert all(r["images_s"] > 0 for r in rows)
+
+
+@pytest.mark.slow
 def test_quick_bench_smoke(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--output",

@@ -13,8 +13,10 @@ from torch import nn
 
 from .. import comm
 from ..accumulate import Accumulator
-from ..job.datasets import build_dataset, synthetic
+from ..batches import cross_entropy
 from ..job.build import replicated_model
+from ..job.datasets import build_dataset, synthetic
+from ..job.models import LANGUAGE_MODELS, model_key
 from ..precision import Precision, gpu_math
 from ..runtime import Runtime, setup
 
@@ -36,6 +38,9 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 
 def _datasets(job: Dict[str, Any]) -> Tuple[Any, Any]:
+    if model_key(job["model"]) in LANGUAGE_MODELS:  # byte-level text: ddpkit's own sources
+        return (build_dataset("text", train=True),
+                build_dataset("text", train=False) if job["accuracy"] else None)
     if job["accuracy"]:
         return build_dataset("digits", train=True), build_dataset("digits", train=False)
     # Lazily generated: the stated epoch size costs no memory and every rank sees the same data.
@@ -67,12 +72,12 @@ def _batches(loader: Any) -> Iterator[Batch]:
 def _step_fn(job: Dict[str, Any], rt: Runtime, model: nn.Module, opt: torch.optim.Optimizer,
              prec: Precision) -> Callable[[Iterator[Batch]], torch.Tensor]:
     """One optimizer step over ``job['accum']`` micro-batches, in the row's way of accumulating."""
-    k, loss_fn = job["accum_k"] if job["accum"] else 1, nn.functional.cross_entropy
+    k, loss_fn = job["accum_k"] if job["accum"] else 1, cross_entropy  # any logits shape
     acc = Accumulator(model, opt, prec, steps=k)
 
     def forward(batches: Iterator[Batch]) -> torch.Tensor:
         x, y = rt.to_device(*next(batches))
-        if job["channels_last"]:
+        if job["channels_last"] and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         with prec.autocast():
             return loss_fn(model(x), y)
