@@ -35,13 +35,20 @@ def _fenced(lang: str, text: str) -> str:
     return f"```{lang}\n{text.rstrip()}\n```\n"
 
 
+def _diff(before: str, after: str) -> str:
+    plain = (ROOT / before).read_text().splitlines(keepends=True)
+    ours = (ROOT / after).read_text().splitlines(keepends=True)
+    return _fenced("diff", "".join(difflib.unified_diff(plain, ours, before, after, n=1)))
+
+
 def example_diff() -> str:
     """The whole diff between the plain example and the ddpkit one."""
-    plain = (ROOT / "examples" / "train_plain.py").read_text().splitlines(keepends=True)
-    ours = (ROOT / "examples" / "train_ddpkit.py").read_text().splitlines(keepends=True)
-    lines = difflib.unified_diff(plain, ours, "examples/train_plain.py",
-                                 "examples/train_ddpkit.py", n=1)
-    return _fenced("diff", "".join(lines))
+    return _diff("examples/train_plain.py", "examples/train_ddpkit.py")
+
+
+def lm_diff() -> str:
+    """The whole diff between the plain language model and its ddpkit conversion."""
+    return _diff("examples/lm_plain.py", "examples/lm_ddpkit.py")
 
 
 def _cli(args: List[str]) -> str:
@@ -128,7 +135,25 @@ def public_api() -> str:
     return "\n".join(rows) + "\n"
 
 
-BLOCKS: Dict[str, Callable[[], str]] = {"example-diff": example_diff, "sbatch": sbatch,
+def runtime_api() -> str:
+    """Every public method and property of ``ddpkit.Runtime`` (what ``setup()`` returns)."""
+    from ddpkit import Runtime
+
+    rows = ["| `rt.` | what it does |", "|---|---|"]
+    for name, member in sorted(vars(Runtime).items()):
+        if name.startswith("_"):
+            continue
+        doc = inspect.getdoc(member) or ""
+        if "deprecated" in doc.lower().split(".")[0]:
+            continue
+        sig = "" if isinstance(member, property) else _signature(member).replace("(self, ", "(") \
+            .replace("(self)", "()")
+        rows.append(f"| `rt.{name}{sig}` | {_md(doc)} |")
+    return "\n".join(rows) + "\n"
+
+
+BLOCKS: Dict[str, Callable[[], str]] = {"example-diff": example_diff, "lm-diff": lm_diff,
+                                        "runtime-api": runtime_api, "sbatch": sbatch,
                                         "run-usage": run_usage, "module-map": module_map,
                                         "public-api": public_api}
 
