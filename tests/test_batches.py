@@ -161,3 +161,23 @@ def test_hf_style_model_trains_on_dict_batches_the_same_on_1_and_2_processes():
         assert h1["train/loss"] == pytest.approx(h2["train/loss"], rel=1e-5)
     assert one["history"][-1]["train/loss"] < one["history"][0]["train/loss"]  # it learns
     assert one["mean"] == 0.0 and two["mean"] == 0.5  # rt.mean: (0 + 1) / 2 on 2 ranks
+
+
+@pytest.mark.slow
+def test_logits_that_do_not_match_the_targets_end_training_with_one_line(tmp_path):
+    from test_cli import ddpkit as run_cli, error_lines
+
+    script = tmp_path / "bad_shapes.py"
+    script.write_text(
+        "import torch, ddpkit\n"
+        "rt = ddpkit.setup()\n"
+        "model = rt.wrap(torch.nn.Linear(4, 3))\n"
+        "data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.zeros(16, 2).long())\n"
+        "ddpkit.fit(rt, model, torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "           rt.loader(data, batch_size=8), epochs=1, progress=False)\n")
+    res = run_cli("run", "--nproc", "2", str(script), timeout=120)
+    assert res.returncode != 0
+    assert error_lines(res.stderr) == [
+        "error: logits of shape (4, 3) do not match targets of shape (4, 2): expected logits "
+        "(*, classes) for targets (*)"], res.stderr
+    assert "Traceback" not in res.stderr

@@ -59,6 +59,12 @@ class FitConfig:
 
         FitConfig(epochs=5, precision=Precision("bf16"), accum_steps=2, eval_data=test_set,
                   checkpoint=CheckpointPolicy("runs/exp1/checkpoints", resume="auto"))
+        FitConfig(epochs=2, eval_data=val_tokens, eval_topk=(), perplexity=True)  # a language model
+
+    The loss is ``loss_fn(logits, targets)`` (default: cross-entropy over logits of any shape
+    ``(*, classes)``, ``-100`` targets ignored), the model's own ``.loss`` (Hugging Face models,
+    when no ``loss_fn`` is given), or ``step(model, batch)``: a loss tensor, or ``{"loss": (sum,
+    count), ...}`` whose other entries are also reported by evaluation.
     """
 
     epochs: int
