@@ -60,8 +60,8 @@ class Ledger(Hook):
 
 
 def train(out, epochs=3, batch=8, resume=None, max_steps=None, kill_rank=-1, kill_step=-1,
-          attempt=None, every_steps=2, kill_signal=signal.SIGKILL, backend=None):
-    rt = ddpkit.setup(seed=0, deterministic=True, backend=backend)
+          attempt=None, every_steps=2, kill_signal=signal.SIGKILL, backend=None, engine="auto"):
+    rt = ddpkit.setup(seed=0, deterministic=True, backend=backend, engine=engine)
     attempt = rt.env.restart_count if attempt is None else attempt
     torch.manual_seed(0)
     model = rt.wrap(nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES)))
@@ -74,7 +74,8 @@ def train(out, epochs=3, batch=8, resume=None, max_steps=None, kill_rank=-1, kil
                 scheduler_interval="step", checkpoint=policy, max_steps=max_steps,
                 hooks=[Ledger(out, attempt, kill_rank, kill_step, kill_signal)], progress=False,
                 eval_data=None)
-    params = [p.detach().cpu().clone() for p in rt.unwrap(model).parameters()]
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+              for p in rt.unwrap(model).parameters()]  # FSDP: gather the shards
     if rt.is_main:
         torch.save({"params": params, "step": state.step}, os.path.join(out, "final.pt"))
     return {"params": params, "step": state.step}
@@ -88,10 +89,12 @@ def main():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--signal", default="SIGKILL", help="what --kill-rank gets at --kill-step")
     p.add_argument("--backend", default=None, help="process group backend (gloo: ranks share a GPU)")
+    p.add_argument("--engine", default="auto", help="ddp (auto), fsdp, ...")
     args = p.parse_args()
     # Under --max-restarts a restarted worker must resume: "auto" starts fresh when there is none.
     train(args.out, epochs=args.epochs, resume="auto", kill_rank=args.kill_rank,
-          kill_step=args.kill_step, kill_signal=getattr(signal, args.signal), backend=args.backend)
+          kill_step=args.kill_step, kill_signal=getattr(signal, args.signal), backend=args.backend,
+          engine=args.engine)
 
 
 if __name__ == "__main__":

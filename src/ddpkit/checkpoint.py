@@ -19,6 +19,7 @@ import torch
 from . import comm
 from .ckpt_compat import check_compatible, check_optimizer_compatible
 from .errors import ConfigError, DDPKitError
+from .sharded import remove_shards
 
 __all__ = ["checkpoint_name", "save_checkpoint", "load_checkpoint", "list_checkpoints",
            "find_latest", "resolve_resume", "check_compatible", "check_optimizer_compatible",
@@ -179,6 +180,7 @@ def _prune(directory: Path, final: Path, keep: int) -> None:
     doomed += [p for p in directory.iterdir()            # torn writes left by a crash
                if (m := _TMP.fullmatch(p.name)) and int(m.group(1)) < step]
     for path in doomed:
+        remove_shards(path)  # an FSDP checkpoint's shard directory goes with it
         try:
             path.unlink()
         except FileNotFoundError:
@@ -307,13 +309,22 @@ def find_latest(directory: PathLike,
     order = ([pointed] if pointed else []) + [p for p in reversed(files) if p != pointed]
     for path in order:
         try:
-            return path, load_checkpoint(path, map_location)
+            return path, _with_shards(path, load_checkpoint(path, map_location))
         except ConfigError as exc:
             warnings.warn(f"{exc}; skipping it", stacklevel=2)
     if files:
         raise ConfigError(f"none of the {len(files)} checkpoints in {directory} could be loaded "
                           "(see the warnings); move them away to start fresh")
     return None
+
+
+def _with_shards(path: Path, state: dict) -> dict:
+    """``state``, after checking that the shard directory it names (FSDP) is complete."""
+    shards = state.get("sharded") if isinstance(state, dict) else None
+    if shards and not (path.parent / shards / ".metadata").is_file():
+        raise ConfigError(f"checkpoint {path} names shards {shards}/ that are missing or "
+                          "incomplete")
+    return state
 
 
 def _pointer_target(directory: Path) -> Optional[Path]:
@@ -353,7 +364,7 @@ def resolve_resume(resume: Optional[PathLike], directory: PathLike,
         return find_latest(directory, map_location)
     path = Path(resume).expanduser()
     if not path.is_dir():
-        return path, load_checkpoint(path, map_location)
+        return path, _with_shards(path, load_checkpoint(path, map_location))
     found = find_latest(path, map_location)
     if found is None:
         raise ConfigError(f"resume directory {path} holds no checkpoint (ckpt-*.pt); pass a "

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, U
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from . import comm
 from .data import ShardSampler
@@ -18,6 +18,7 @@ from .batches import (IGNORE_INDEX, forward, logits_of, loss_sum, step_sums, tar
 from .errors import ConfigError
 from .precision import Precision
 from .resident import choose_resident, resident_batches
+from .sharded import is_sharded
 from .wrap import unwrap
 
 __all__ = ["evaluate", "topk_correct"]
@@ -91,7 +92,11 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     sums: Dict[str, torch.Tensor] = {}  # name -> [sum, count] on the device, read once at the end
     ks = tuple(topk)
     shift = shift_labels
-    for batch in _eval_batches(data, batch_size, num_workers, device, resident, collate_fn):
+    batches = _eval_batches(data, batch_size, num_workers, device, resident, collate_fn)
+    if is_sharded(net):  # FSDP gathers parameters collectively: every rank runs as many forwards
+        batches = _lockstep(batches, data, collate_fn)
+    paired = batches if is_sharded(net) else ((b, True) for b in batches)
+    for batch, counted in paired:
         batch = to_device(batch, device)
         if channels_last and isinstance(batch, (list, tuple)) and torch.is_tensor(batch[0]) \
                 and batch[0].dim() == 4:
@@ -113,11 +118,22 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
                 pairs.update({f"top{k}": (hits[i] * 100.0, count) for i, k in enumerate(ks)})
             for metric in (metrics or {}).values():
                 metric.update(logits, targets)
+        if not counted:
+            continue  # a forward only to keep a sharded model's collectives in step
         for name, (total, count) in pairs.items():
             pair = torch.stack([total.to(device, torch.float64), count.to(device, torch.float64)])
             sums[name] = sums[name] + pair if name in sums else pair
     net.train(was_training)
     return _finish(sums, step is None, ks, metrics)
+
+
+def _lockstep(batches: Any, data: Any, collate_fn: Optional[Callable]) -> Iterable[Any]:
+    """``(batch, counted)`` pairs, as many on every rank: ranks with fewer batches repeat a
+    filler batch whose results are dropped."""
+    mine = list(batches)
+    most = int(comm.reduce(len(mine), "max"))
+    filler = mine[-1] if mine else (collate_fn or default_collate)([data[0]])
+    return [(b, True) for b in mine] + [(filler, False)] * (most - len(mine))
 
 
 def _shifted(out: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
@@ -25,6 +26,8 @@ from .log import RunLogger, progress
 from .precision import Precision
 from .resume import TrainState, restore, run_state
 from .runtime import Runtime
+from .sharded import is_sharded, save_shards
+from .wrap import unwrap
 from .stops import StopRequested, signal_name
 
 __all__ = ["TrainState", "CheckpointPolicy", "FitConfig", "Hook", "fit"]
@@ -143,7 +146,11 @@ class _Fit:
     def save(self) -> Optional[Any]:
         if self.ckpt is None:
             return None
-        path = save_checkpoint(self.run_state(), self.ckpt.directory, self.state.step,
+        shards = None
+        if is_sharded(unwrap(self.model)):  # every rank writes its shard first
+            shards = save_shards(self.model, self.optimizer, Path(self.ckpt.directory),
+                                 self.state.step)
+        path = save_checkpoint(self.run_state(shards), self.ckpt.directory, self.state.step,
                                self.ckpt.keep)
         self._last_ckpt_time = time.monotonic()
         return path

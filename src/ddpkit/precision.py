@@ -85,7 +85,9 @@ class Precision:
                 self.scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
             params = parameters if parameters is not None else [
                 p for g in optimizer.param_groups for p in g["params"]]
-            norm = float(torch.nn.utils.clip_grad_norm_(params, clip_norm))
+            total = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+            # FSDP's gradients are shards (DTensors): the norm already spans every shard.
+            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()

@@ -4,6 +4,7 @@ one (:func:`restore`), mid-epoch included; the loop (:mod:`ddpkit.loop`) calls b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from . import comm
@@ -11,6 +12,7 @@ from .checkpoint import (check_compatible, check_optimizer_compatible, checkpoin
                          load_checkpoint, resolve_resume)
 from .ckpt_compat import plain_state
 from .seed import rng_state, set_rng_state
+from .sharded import is_sharded, load_full_state, load_shards
 from .wrap import unwrap
 
 __all__ = ["TrainState", "run_state", "restore"]
@@ -33,16 +35,20 @@ class TrainState:
 
 
 
-def run_state(self: Any) -> Dict[str, Any]:
+def run_state(self: Any, shards: Optional[str] = None) -> Dict[str, Any]:
     """Everything a bit-exact resume needs, gathered on every rank (``self`` is the running
     fit): weights, optimizer, schedule, scaler, loader position, progress, every rank's RNG.
+    With ``shards`` (an FSDP run: :mod:`ddpkit.sharded` wrote the model and optimizer) the
+    checkpoint names that directory instead of holding them.
 
     Example::
 
         save_checkpoint(run_state(loop), "ckpt", loop.state.step)
     """
     sched = self.cfg.scheduler
-    return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+    weights = {"sharded": shards} if shards else {
+        "model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
+    return {**weights,
             "scheduler": sched.state_dict() if sched is not None else None,
             "precision": self.precision.state_dict(), "loader": self.loader.state_dict(),
             "progress": {"epoch": self.state.epoch, "step": self.state.step,
@@ -74,11 +80,18 @@ def restore(self: Any) -> None:
         return
     path = chosen
     ckpt = found[1] if found else load_checkpoint(chosen, map_location="cpu")
-    net, saved = unwrap(self.model), plain_state(ckpt["model"])
-    check_compatible(saved, net.state_dict())
-    check_optimizer_compatible(ckpt["optimizer"], self.optimizer)
-    net.load_state_dict(saved)
-    self.optimizer.load_state_dict(ckpt["optimizer"])
+    net = unwrap(self.model)
+    if ckpt.get("sharded"):  # FSDP's shards, on any number of ranks (DCP reshards)
+        load_shards(self.model, self.optimizer, Path(path).parent / ckpt["sharded"])
+    else:
+        saved = plain_state(ckpt["model"])
+        check_compatible(saved, net.state_dict())
+        check_optimizer_compatible(ckpt["optimizer"], self.optimizer)
+        if is_sharded(net):  # a DDP / one-process checkpoint into an FSDP run
+            load_full_state(net, self.optimizer, saved, ckpt["optimizer"])
+        else:
+            net.load_state_dict(saved)
+            self.optimizer.load_state_dict(ckpt["optimizer"])
     if self.cfg.scheduler is not None and ckpt.get("scheduler"):
         self.cfg.scheduler.load_state_dict(ckpt["scheduler"])
     self.precision.load_state_dict(ckpt["precision"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -38,6 +38,11 @@ class WrapOptions:
     powersgd_rank: int = 2           # matrix approximation rank of PowerSGD
     powersgd_start_iter: int = 10    # plain all-reduce for the first N steps (PowerSGD warm-up)
     compile: bool = False            # torch.compile the wrapped model (see compile_model)
+    # fsdp: which submodules are sharded units (classes or a predicate; default: repeated
+    # blocks), compute precision (bf16 | fp16, gradients reduced in fp32), free after forward
+    fsdp_units: Any = None
+    mixed_precision: Optional[str] = None
+    reshard_after_forward: bool = True
     compile_mode: Optional[str] = None  # torch.compile mode: max-autotune, reduce-overhead, ...
 
 

@@ -10,7 +10,7 @@ import sys
 from typing import List, Optional
 
 from ..errors import DDPKitError
-from . import bench, run, slurm, train
+from . import bench, ckpt, run, slurm, train
 
 __all__ = ["main", "entry", "build_parser"]
 
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "processes, train the built-in job, measure, render sbatch.")
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (run, train, slurm, bench):
+    for command in (run, train, slurm, bench, ckpt):
         command.add_parser(sub)
     return parser
 

@@ -18,13 +18,14 @@ from ..wrap import WrapOptions
 from .base import Engine
 from .ddp import DDPEngine
 from .dp import DPEngine
+from .fsdp import FSDPEngine
 from .horovod import HorovodEngine, started_by_horovod
 
 __all__ = ["Engine", "STRATEGIES", "create", "choose", "active", "wrap_model"]
 
 # The order is the one users see in error messages and --help.
-_ENGINES: Dict[str, Type[Engine]] = {"ddp": DDPEngine, "dp": DPEngine, "horovod": HorovodEngine,
-                                     "none": Engine}
+_ENGINES: Dict[str, Type[Engine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine, "dp": DPEngine,
+                                     "horovod": HorovodEngine, "none": Engine}
 STRATEGIES = tuple(_ENGINES)
 # Engines whose collectives replace torch.distributed's when they run (checked in this order).
 _COLLECTIVES = (HorovodEngine,)

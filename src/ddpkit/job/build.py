@@ -110,4 +110,5 @@ def build_wrapped_model(cfg: TrainConfig, rt: Runtime, train_set: Any) -> nn.Mod
     return replicated_model(rt, cfg.model, train_set, cfg.seed, cfg.channels_last, summary=True,
                             sync_bn=cfg.sync_bn, comm_hook=cfg.comm_hook,
                             find_unused_parameters=cfg.find_unused_parameters,
-                            compile=cfg.compile)
+                            compile=cfg.compile,
+                            mixed_precision=cfg.precision if cfg.precision != "fp32" else None)

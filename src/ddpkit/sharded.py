@@ -1,0 +1,177 @@
+"""Sharded checkpoints for FSDP models: every rank writes its shard of the model and optimizer with
+``torch.distributed.checkpoint`` (DCP), and a run of any size reads them back (resharding).
+
+A sharded checkpoint is the usual ``ckpt-{step}.pt`` (loop position, schedule, RNG, ...: written
+atomically by rank 0 *after* the shards) plus the directory ``ckpt-{step}.shards/``, written under
+a temporary name and renamed only when every rank has finished: a checkpoint is visible only
+when complete. :func:`consolidate` turns one into a plain ``state_dict`` file for inference.
+
+Example::
+
+    name = save_shards(model, optimizer, Path("runs/x/checkpoints"), step=120)
+    load_shards(model, optimizer, Path("runs/x/checkpoints/ckpt-000000120.shards"))
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import torch
+from torch import nn
+
+from . import comm
+from .errors import ConfigError
+
+__all__ = ["is_sharded", "shards_name", "save_shards", "load_shards", "load_full_state",
+           "remove_shards", "consolidate"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is an FSDP2 module (its parameters are shards).
+
+    Example::
+
+        is_sharded(rt.wrap(net))   # True under the fsdp engine on 2+ ranks
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6: no FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def shards_name(step: int) -> str:
+    """The shard directory's name next to ``ckpt-{step}.pt``.
+
+    Example::
+
+        shards_name(120)   # 'ckpt-000000120.shards'
+    """
+    return f"ckpt-{step:09d}.shards"
+
+
+def save_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], directory: Path,
+                step: int) -> str:
+    """Write this rank's shards of ``model`` and ``optimizer`` (call on every rank); returns the
+    shard directory's name. Complete or absent: written to a temporary name, renamed by rank 0
+    once every rank is done.
+
+    Example::
+
+        save_shards(model, opt, Path("ckpt"), step)
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    name = shards_name(step)
+    final, tmp = directory / name, directory / f".{name}.tmp"
+    if comm.is_main():
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # torn by an earlier crash
+    comm.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    comm.barrier()
+    if comm.is_main():
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    comm.barrier()
+    return name
+
+
+def load_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: Path) -> None:
+    """Load a shard directory into ``model`` / ``optimizer`` on every rank, whatever the number
+    of ranks that wrote it (DCP reshards); works for FSDP, DDP and plain modules alike.
+
+    Example::
+
+        load_shards(model, opt, Path("ckpt/ckpt-000000120.shards"))
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not (path / ".metadata").is_file():
+        raise ConfigError(f"sharded checkpoint {path} is incomplete (no .metadata); it was not "
+                          "written to the end: resume from an earlier checkpoint")
+    opts = optimizer if optimizer is not None else []
+    model_state, optim_state = get_state_dict(model, opts)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as exc:  # (a BaseException): every rank's traceback
+        lines = [line.strip() for line in str(exc).strip().splitlines()]
+        why = next((line.split(": ", 1)[-1] for line in lines if line.startswith(
+            ("ValueError", "RuntimeError", "KeyError"))), lines[0] if lines else type(exc).__name__)
+        raise ConfigError(f"sharded checkpoint {path} does not fit this model ({why[:200]}); "
+                          "resume with the model that wrote it") from None
+    set_state_dict(model, opts, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def load_full_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                    model_state: Dict[str, Any], optim_state: Optional[Dict[str, Any]]) -> None:
+    """Load a plain (DDP / one-process) checkpoint's state into a sharded model on every rank.
+
+    The plain optimizer state is keyed by parameter position; it is re-keyed by parameter name
+    (the order of ``model.named_parameters()``, which is how the optimizer was built).
+
+    Example::
+
+        load_full_state(fsdp_model, opt, ckpt["model"], ckpt["optimizer"])
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=full)
+    if optimizer is None or not optim_state:
+        return
+    names = [n for n, _ in model.named_parameters()]
+    by_position = dict(enumerate(names))
+    renamed = {"state": {by_position[int(i)]: v for i, v in optim_state["state"].items()},
+               "param_groups": [dict(g, params=[by_position[int(i)] for i in g["params"]])
+                                for g in optim_state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, renamed, options=full)
+
+
+def remove_shards(checkpoint: Path) -> None:
+    """Delete the shard directory belonging to ``ckpt-{step}.pt`` (if any).
+
+    Example::
+
+        remove_shards(Path("ckpt/ckpt-000000120.pt"))
+    """
+    shards = checkpoint.with_suffix(".shards")
+    if shards.is_dir():
+        shutil.rmtree(shards, ignore_errors=True)
+
+
+def consolidate(checkpoint: PathLike, out: PathLike) -> Path:
+    """One plain ``state_dict`` file (the model alone, full tensors) from a sharded checkpoint,
+    for inference or a DDP run: ``torch.load(out)`` gives what ``model.load_state_dict`` takes.
+    Runs in one process, no process group.
+
+    Example::
+
+        consolidate("runs/x/checkpoints/ckpt-000000120.pt", "model.pt")
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = Path(checkpoint).expanduser()
+    shards = path if path.suffix == ".shards" else path.with_suffix(".shards")
+    if not (shards / ".metadata").is_file():
+        raise ConfigError(f"{checkpoint} is not a sharded checkpoint (no {shards.name}/ with "
+                          "DCP metadata); plain checkpoints need no consolidation")
+    out_path = Path(out).expanduser()
+    tmp = out_path.with_name(out_path.name + ".all.tmp")
+    dcp_to_torch_save(str(shards), str(tmp))
+    everything = torch.load(tmp, map_location="cpu", weights_only=False)
+    tmp.unlink()
+    model = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+             for k, v in everything["model"].items()}
+    torch.save(model, out_path)
+    return out_path
