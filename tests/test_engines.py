@@ -21,7 +21,7 @@ from ddpkit.wrap import WrapOptions
 
 
 def test_one_engine_per_strategy_with_its_name():
-    assert engines.STRATEGIES == ("ddp", "dp", "horovod", "none")
+    assert engines.STRATEGIES == ("ddp", "fsdp", "dp", "horovod", "none")
     for name, cls in zip(engines.STRATEGIES, (DDPEngine, DPEngine, HorovodEngine, Engine)):
         engine = engines.create(name)
         assert type(engine) is cls and engine.name == name
@@ -32,7 +32,7 @@ def test_setup_keeps_the_chosen_engine_on_the_runtime():
     assert rt.engine.name == "none" and "engine=none" in repr(rt)
     assert ddpkit.setup(env=ClusterEnv()).engine.name == "ddp"       # auto, not under horovodrun
     assert ddpkit.setup(env=ClusterEnv(), engine="torch").engine.name == "ddp"  # the old name
-    with pytest.raises(DDPKitError, match="unknown engine 'deepspeed'; choose auto, ddp, dp, "
+    with pytest.raises(DDPKitError, match="unknown engine 'deepspeed'; choose auto, ddp, fsdp, dp, "
                                           "horovod, none"):
         ddpkit.setup(env=ClusterEnv(), engine="deepspeed")
 

@@ -391,7 +391,8 @@ def test_synthetic_shapes_defaults_and_validation() -> None:
 
 
 def test_available_datasets() -> None:
-    assert available_datasets() == ["cifar10", "cifar100", "digits", "imagefolder", "synthetic"]
+    assert available_datasets() == ["cifar10", "cifar100", "digits", "imagefolder", "synthetic",
+                                    "text"]
 
 
 def test_build_dataset_unknown_name_lists_valid_names() -> None:

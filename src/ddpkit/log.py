@@ -14,7 +14,7 @@ import torch
 
 from . import comm
 
-__all__ = ["banner", "RunLogger", "progress"]
+__all__ = ["banner", "RunLogger", "progress", "format_epoch"]
 
 T = TypeVar("T")
 
@@ -127,3 +127,25 @@ def progress(iterable: Iterable[T], total: Optional[int], desc: str, enabled: bo
     # Counted in global samples, so the rate tqdm shows is the job's throughput.
     return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True,
                 unit="img", unit_scale=samples_per_item)
+
+
+def format_epoch(m: Dict[str, float], epochs: int) -> str:
+    """One line per epoch: loss, accuracy, throughput.
+
+    Example::
+
+        format_epoch({"epoch": 1, "train/loss": 0.5}, 10)   # 'epoch 1/10  loss 0.5000'
+    """
+    parts = [f"epoch {m['epoch']}/{epochs}", f"loss {m['train/loss']:.4f}"]
+    if "eval/loss" in m:
+        scores = "  ".join(f"{k[5:]} {v:.2f}%" for k, v in m.items()
+                           if k.startswith("eval/top") and isinstance(v, float))
+        others = "  ".join(f"{k[5:]} {v:.4g}" for k, v in m.items() if k.startswith("eval/")
+                           and k[5:] not in ("loss", "count") and not k.startswith("eval/top")
+                           and isinstance(v, float))
+        parts.append("  ".join(p for p in (f"eval loss {m['eval/loss']:.4f}", scores, others,
+                                           f"({m['eval/count']} targets)")
+                               if p))
+    if "train/samples_per_s" in m:
+        parts.append(f"{m['train/samples_per_s']:.0f} samples/s  step {m['train/step_ms']:.1f} ms")
+    return "  ".join(parts)

@@ -22,7 +22,7 @@ from .batches import (batch_size_of, cross_entropy, forward, logits_of, step_sum
                       to_device)
 from .data import DistributedLoader
 from .errors import ConfigError, DDPKitError
-from .log import RunLogger, progress
+from .log import RunLogger, format_epoch, progress
 from .precision import Precision
 from .resume import TrainState, restore, run_state
 from .runtime import Runtime
@@ -370,28 +370,6 @@ class _Fit:
         if value is not None and (self.state.best is None or value > self.state.best):
             self.state.best, self.state.best_epoch = value, self.state.epoch
             metrics["best"] = value
-
-
-def format_epoch(m: Dict[str, float], epochs: int) -> str:
-    """One line per epoch: loss, accuracy, throughput.
-
-    Example::
-
-        format_epoch({"epoch": 1, "train/loss": 0.5}, 10)   # 'epoch 1/10  loss 0.5000'
-    """
-    parts = [f"epoch {m['epoch']}/{epochs}", f"loss {m['train/loss']:.4f}"]
-    if "eval/loss" in m:
-        scores = "  ".join(f"{k[5:]} {v:.2f}%" for k, v in m.items()
-                           if k.startswith("eval/top") and isinstance(v, float))
-        others = "  ".join(f"{k[5:]} {v:.4g}" for k, v in m.items() if k.startswith("eval/")
-                           and k[5:] not in ("loss", "count") and not k.startswith("eval/top")
-                           and isinstance(v, float))
-        parts.append("  ".join(p for p in (f"eval loss {m['eval/loss']:.4f}", scores, others,
-                                           f"({m['eval/count']} targets)")
-                               if p))
-    if "train/samples_per_s" in m:
-        parts.append(f"{m['train/samples_per_s']:.0f} samples/s  step {m['train/step_ms']:.1f} ms")
-    return "  ".join(parts)
 
 
 def fit(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
