@@ -14,6 +14,7 @@ from ddpkit import comm, engines
 from ddpkit.engines.base import Engine
 from ddpkit.engines.ddp import DDPEngine
 from ddpkit.engines.dp import DPEngine
+from ddpkit.engines.fsdp import FSDPEngine
 from ddpkit.engines.horovod import HorovodEngine
 from ddpkit.env import ClusterEnv
 from ddpkit.errors import DDPKitError
@@ -22,7 +23,8 @@ from ddpkit.wrap import WrapOptions
 
 def test_one_engine_per_strategy_with_its_name():
     assert engines.STRATEGIES == ("ddp", "fsdp", "dp", "horovod", "none")
-    for name, cls in zip(engines.STRATEGIES, (DDPEngine, DPEngine, HorovodEngine, Engine)):
+    for name, cls in zip(engines.STRATEGIES, (DDPEngine, FSDPEngine, DPEngine, HorovodEngine,
+                                              Engine)):
         engine = engines.create(name)
         assert type(engine) is cls and engine.name == name
 
