@@ -116,6 +116,7 @@ def summarize(row: Dict[str, Any], baseline: Optional[Dict[str, Any]],
                efficiency=median(eff) if eff else None, efficiency_range=_range(eff),
                peak_mb=max(max(r["peak_mb"]) for r in reps),
                opt_state_mb=max(max(r["opt_state_mb"]) for r in reps), rounds=len(reps),
+               held_mb=max(max(r.get("held_mb", [0.0])) for r in reps),
                cpu_share=median([r["cpu_share"] for r in reps if "cpu_share" in r] or [0.0]))
     tops = [r["top1"] for r in reps if r.get("top1") is not None]
     out["top1"] = median(tops) if tops else None
@@ -140,14 +141,14 @@ def _status(s: Dict[str, Any]) -> str:
 
 def _cells(s: Dict[str, Any], accuracy: bool) -> List[str]:
     if "images_s" not in s:
-        figures = ["-"] * (7 + accuracy)
+        figures = ["-"] * (8 + accuracy)
     else:
         figures = [f"{s['images_s']:.1f}{_span(s['images_s_range'], '.1f')}",
                    f"{s['s_per_epoch']:.0f}" if s["s_per_epoch"] >= 10 else
                    f"{s['s_per_epoch']:.2f}",
                    f"{s['step_ms_median']:.0f} / {s['step_ms_p95']:.0f}",
                    _fmt(s["efficiency"], ".2f") + _span(s["efficiency_range"], ".2f"),
-                   f"{s['peak_mb']:.0f}", f"{s['opt_state_mb']:.1f}",
+                   f"{s['peak_mb']:.0f}", f"{s['opt_state_mb']:.1f}", f"{s['held_mb']:.1f}",
                    f"{s.get('cpu_share', 0.0):.2f}"]
         figures += [_fmt(s.get("top1"), ".2f")] if accuracy else []
     return [f"`{s['row']}`", *figures, _status(s).replace("|", "/")]
@@ -161,7 +162,8 @@ def render_table(summaries: List[Dict[str, Any]], accuracy: bool = False) -> str
         print(render_table([summarize(r, base, 50_000) for r in records]))
     """
     head = ["row", "images/s (min-max)", "s/epoch", "step ms median / p95",
-            "efficiency (min-max)", "peak MB/rank", "optim state MB/rank", "CPU share"]
+            "efficiency (min-max)", "peak MB/rank", "optim state MB/rank",
+            "params+optim MB/rank", "CPU share"]
     head += ["top-1 %"] if accuracy else []
     head.append("status")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

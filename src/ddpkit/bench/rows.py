@@ -61,6 +61,8 @@ ROWS: Dict[str, Row] = {r.name: r for r in (
     Row("ddp-hook-bf16", "DDP, gradients all-reduced in bf16 (comm hook)", comm_hook="bf16"),
     Row("ddp-powersgd", "DDP + PowerSGD rank-2 compression (comm hook)", comm_hook="powersgd"),
     Row("zero", "DDP + ZeroRedundancyOptimizer (optimizer state sharded)", zero=True),
+    Row("fsdp", "FSDP2 fully_shard: parameters, gradients and optimizer state sharded",
+        strategy="fsdp"),
     Row("horovod", "Horovod over gloo, N processes", engine="horovod"),
     # One GPU: precision, memory format, compilation and where the data lives.
     Row("gpu-fp32", "one process on one GPU, fp32 (TF32 matmuls), data on the GPU", single=True,

@@ -44,6 +44,7 @@ def measure(plan: Dict[str, Any], cfg: BenchConfig) -> Dict[str, Any]:
                                    threads), cpu_s=[r["cpu_s"] for r in ranks])
     out.update(step_s=[r["step_s"] for r in ranks], peak_mb=[r["peak_mb"] for r in ranks],
                opt_state_mb=[r["opt_state_mb"] for r in ranks],
+               held_mb=[r.get("held_mb", 0.0) for r in ranks],
                threads=threads, top1=ranks[0].get("top1"), load_average=(loadavg() or [-1.0])[0],
                steps_total=ranks[0]["steps_total"], wall_s=time.perf_counter() - start)
     return out

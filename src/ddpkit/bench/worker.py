@@ -33,8 +33,27 @@ def optimizer_state_bytes(optimizer: Any) -> int:
         optimizer_state_bytes(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     """
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard there
-    return sum(t.numel() * t.element_size() for state in local.state.values()
+    return sum(_local_bytes(t) for state in local.state.values()
                for t in state.values() if torch.is_tensor(t))
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t  # FSDP's DTensor: this rank's shard
+    return t.numel() * t.element_size()
+
+
+def model_state_bytes(model: nn.Module, optimizer: Any) -> int:
+    """Bytes this rank holds for the model between steps: parameters, optimizer state and any
+    gradients still alive (none after ``zero_grad(set_to_none=True)``). FSDP: its shards; ZeRO:
+    full parameters, its optimizer shard.
+
+    Example::
+
+        model_state_bytes(model, opt) / 2**20   # MB per rank
+    """
+    params = sum(_local_bytes(p) + (_local_bytes(p.grad) if p.grad is not None else 0)
+                 for p in model.parameters())
+    return params + optimizer_state_bytes(optimizer)
 
 
 def _datasets(job: Dict[str, Any]) -> Tuple[Any, Any]:
@@ -153,6 +172,7 @@ def run_row(job: Dict[str, Any]) -> Dict[str, Any]:
                              min(job["warmup"], total - 1), rt.device)
     mine = {"rank": rt.rank, "step_s": times, "cpu_s": cpu, "peak_mb": _peak_mb(rt.device),
             "opt_state_mb": optimizer_state_bytes(opt) / 2**20,
+            "held_mb": model_state_bytes(model, opt) / 2**20,
             "threads": torch.get_num_threads(), "device": str(rt.device), "steps_total": total}
     if test_set is not None:
         mine["top1"] = rt.evaluate(model, test_set, batch_size=256, precision=prec,
