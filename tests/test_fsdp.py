@@ -158,3 +158,58 @@ def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path):
     assert res.returncode != 0
     lines = error_lines(res.stderr)
     assert len(lines) == 1 and "does not fit this model" in lines[0], res.stderr
+
+
+def _evaluate_sharded(engine):
+    rt = ddpkit.setup(engine=engine)
+    torch.manual_seed(0)
+    model = rt.wrap(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                                  nn.Linear(8, 3)))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(7, 4, generator=g),
+                                          torch.randint(0, 3, (7,), generator=g))
+    return rt.evaluate(model, data, batch_size=2, topk=(1,))  # 3 ranks: 2, 1 and 1 batches
+
+
+def test_fsdp_evaluation_is_exact_with_uneven_shards():
+    sharded = ddpkit.launch(_evaluate_sharded, 3, "fsdp", timeout=120)
+    plain = ddpkit.launch(_evaluate_sharded, 1, "ddp", timeout=120)
+    assert sharded["count"] == plain["count"] == 7
+    assert sharded["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert sharded["top1"] == plain["top1"]
+
+
+def _fit_with_everything(engine):
+    from ddpkit.loop import fit
+    from ddpkit.precision import Precision
+
+    rt = ddpkit.setup(engine=engine, seed=0)
+    torch.manual_seed(0)
+    model = rt.wrap(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                  nn.Linear(16, 3)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                          torch.randint(0, 3, (64,), generator=g))
+    state = fit(rt, model, opt, rt.loader(data, batch_size=8), epochs=2, accum_steps=2,
+                clip_norm=0.05, precision=Precision("fp32", rt.device), progress=False)
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for p in rt.unwrap(model).parameters()]
+    return {"params": params, "norms": state.history[-1]["train/loss"]}
+
+
+def test_fsdp_accumulation_and_clipping_match_ddp():
+    fsdp = ddpkit.launch(_fit_with_everything, 2, "fsdp", timeout=180)
+    ddp = ddpkit.launch(_fit_with_everything, 2, "ddp", timeout=180)
+    for a, b in zip(fsdp["params"], ddp["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert fsdp["norms"] == pytest.approx(ddp["norms"], rel=1e-5)
+
+
+def test_language_model_job_under_fsdp_in_bf16_checkpoints_shards(tmp_path):
+    res = run_cli("train", "--strategy", "fsdp", "--precision", "bf16", "--model", "gpt",
+                  "--data", "text", "--context", "32", "--epochs", "1", "--max-steps", "4",
+                  "--output", str(tmp_path), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "ckpt-000000004.pt", "ckpt-000000004.shards", "latest"]
