@@ -213,3 +213,14 @@ def test_language_model_job_under_fsdp_in_bf16_checkpoints_shards(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "ckpt-000000004.pt", "ckpt-000000004.shards", "latest"]
+
+
+def test_fsdp_without_a_torch_process_group_is_one_line():
+    from ddpkit.engines.fsdp import FSDPEngine
+    from ddpkit.env import ClusterEnv
+    from ddpkit.wrap import WrapOptions
+
+    two_ranks = ClusterEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
+    with pytest.raises(ConfigError, match=r"^--strategy fsdp needs torch.distributed's process "
+                                          "group: start with ddpkit run / torchrun"):
+        FSDPEngine().wrap(nn.Linear(2, 2), two_ranks, torch.device("cpu"), WrapOptions())

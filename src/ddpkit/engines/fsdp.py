@@ -101,6 +101,11 @@ class FSDPEngine(Engine):
         model = model.to(device)
         if not env.is_distributed:
             return model
+        import torch.distributed as tdist
+        if not tdist.is_initialized():  # Horovod's ranks, or a DataParallel-only process
+            raise ConfigError("--strategy fsdp needs torch.distributed's process group: start "
+                              "with ddpkit run / torchrun (not horovodrun) and "
+                              "ddpkit.setup(engine='fsdp')")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kw: dict = {"reshard_after_forward": options.reshard_after_forward}
