@@ -142,7 +142,7 @@ def test_none_accepted_for_optional_fields():
 @pytest.mark.parametrize("key,bad,choices", [
     ("optimizer", "rmsprop", "sgd, adam, adamw"),
     ("precision", "fp8", "fp32, bf16, fp16"),
-    ("strategy", "fsdp", "ddp, dp, horovod, none"),
+    ("strategy", "deepspeed", "ddp, fsdp, dp, horovod, none"),
     ("scheduler", "linear", "none, cosine, step, onecycle"),
     ("accelerator", "tpu", "auto, cpu, cuda"),
     ("comm_hook", "int8", "fp16, bf16, powersgd"),

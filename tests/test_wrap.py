@@ -24,7 +24,7 @@ class Net(nn.Module):
 
 
 def test_strategies():
-    assert STRATEGIES == ("ddp", "dp", "horovod", "none")
+    assert STRATEGIES == ("ddp", "fsdp", "dp", "horovod", "none")
 
 
 def test_wrap_options_defaults():
@@ -62,11 +62,12 @@ def test_dp_on_cpu_warns_and_returns_plain_module():
     assert not isinstance(out, (DataParallel, DistributedDataParallel))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "DDP", "", "deepspeed"])
+@pytest.mark.parametrize("strategy", ["FSDP2", "DDP", "", "deepspeed"])
 def test_unknown_strategy_lists_choices(strategy):
     with pytest.raises(ConfigError) as exc:
         wrap_model(Net(), ClusterEnv(), CPU, strategy)
-    assert str(exc.value) == f"unknown strategy {strategy!r}; choose one of ddp, dp, horovod, none"
+    assert str(exc.value) == (f"unknown strategy {strategy!r}; choose one of ddp, fsdp, dp, "
+                              "horovod, none")
 
 
 def test_unknown_strategy_checked_before_the_model_is_touched():
