@@ -23,7 +23,7 @@ from torch import nn
 
 from .errors import ConfigError
 
-__all__ = ["to_device", "batch_size_of", "forward", "logits_of", "targets_of", "cross_entropy",
+__all__ = ["to_device", "channels_last", "batch_size_of", "forward", "logits_of", "targets_of", "cross_entropy",
            "loss_sum", "topk_hits", "step_sums", "IGNORE_INDEX", "aligned"]
 
 #: Targets equal to this are padding: no loss, no count (PyTorch's and Hugging Face's default).
@@ -44,6 +44,20 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         moved = [to_device(v, device) for v in batch]
         return moved if isinstance(batch, list) else tuple(moved)
+    return batch
+
+
+def channels_last(batch: Any) -> Any:
+    """``batch`` with its 4-D image inputs (the first element of a tuple/list) in channels_last
+    memory format; anything else as it is.
+
+    Example::
+
+        x, y = channels_last((x, y))
+    """
+    if isinstance(batch, (list, tuple)) and batch and torch.is_tensor(batch[0]) and \
+            batch[0].dim() == 4:
+        return [batch[0].contiguous(memory_format=torch.channels_last), *batch[1:]]
     return batch
 
 

@@ -13,8 +13,9 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from . import comm
 from .data import ShardSampler
-from .batches import (IGNORE_INDEX, forward, logits_of, loss_sum, step_sums, targets_of,
-                      to_device, topk_hits)
+from .batches import IGNORE_INDEX
+from .batches import channels_last as to_channels_last
+from .batches import forward, logits_of, loss_sum, step_sums, targets_of, to_device, topk_hits
 from .errors import ConfigError
 from .precision import Precision
 from .resident import choose_resident, resident_batches
@@ -93,21 +94,20 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     ks = tuple(topk)
     shift = shift_labels
     batches = _eval_batches(data, batch_size, num_workers, device, resident, collate_fn)
-    if is_sharded(net):  # FSDP gathers parameters collectively: every rank runs as many forwards
-        batches = _lockstep(batches, data, collate_fn)
-    paired = batches if is_sharded(net) else ((b, True) for b in batches)
+    # FSDP gathers parameters collectively: every rank runs as many forwards (fillers uncounted)
+    paired = _lockstep(batches, data, collate_fn) if is_sharded(net) else \
+        ((b, True) for b in batches)
     for batch, counted in paired:
         batch = to_device(batch, device)
-        if channels_last and isinstance(batch, (list, tuple)) and torch.is_tensor(batch[0]) \
-                and batch[0].dim() == 4:
-            batch = [batch[0].contiguous(memory_format=torch.channels_last), *batch[1:]]
+        if channels_last:
+            batch = to_channels_last(batch)
         with prec.autocast():
-            if step is not None:
-                pairs = step_sums(step(net, batch))
-                out = None
-            else:
-                out = forward(net, batch)
-        if step is None:
+            out = step(net, batch) if step is not None else forward(net, batch)
+        if not counted:
+            continue
+        if step is not None:
+            pairs = step_sums(out)
+        else:
             logits, targets = logits_of(out).float(), targets_of(batch)
             if shift is None:
                 shift = _shifted(out, logits, targets, ignore_index)
@@ -118,8 +118,6 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
                 pairs.update({f"top{k}": (hits[i] * 100.0, count) for i, k in enumerate(ks)})
             for metric in (metrics or {}).values():
                 metric.update(logits, targets)
-        if not counted:
-            continue  # a forward only to keep a sharded model's collectives in step
         for name, (total, count) in pairs.items():
             pair = torch.stack([total.to(device, torch.float64), count.to(device, torch.float64)])
             sums[name] = sums[name] + pair if name in sums else pair

@@ -18,8 +18,8 @@ from torch import nn
 from . import comm
 from .accumulate import Accumulator
 from .checkpoint import save_checkpoint
-from .batches import (batch_size_of, cross_entropy, forward, logits_of, step_sums, targets_of,
-                      to_device)
+from .batches import (batch_size_of, channels_last, cross_entropy, forward, logits_of,
+                      step_sums, targets_of, to_device)
 from .data import DistributedLoader
 from .errors import ConfigError, DDPKitError
 from .log import RunLogger, format_epoch, progress
@@ -171,9 +171,8 @@ class _Fit:
     # ------------------------------------------------------------------ training
     def _forward_backward(self, batch: Any, last: bool) -> torch.Tensor:
         batch = to_device(batch, self.rt.device)
-        if self.cfg.channels_last and isinstance(batch, (list, tuple)) and \
-                torch.is_tensor(batch[0]) and batch[0].dim() == 4:
-            batch = [batch[0].contiguous(memory_format=torch.channels_last), *batch[1:]]
+        if self.cfg.channels_last:
+            batch = channels_last(batch)
         with self.acc.micro_step(last=last):
             with self.precision.autocast():
                 loss = self._loss(batch)

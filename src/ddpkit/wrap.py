@@ -16,7 +16,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from .errors import ConfigError
 
-__all__ = ["WrapOptions", "unwrap", "compile_model", "compile_unavailable"]
+__all__ = ["WrapOptions", "unwrap", "compile_model", "compile_unavailable", "check_compile"]
 
 
 @dataclass
@@ -96,6 +96,18 @@ def compile_unavailable(device: torch.device) -> Optional[str]:
     return None
 
 
+def check_compile(device: torch.device) -> None:
+    """Raise one clear :class:`ConfigError` if ``torch.compile`` cannot run on ``device`` here.
+
+    Example::
+
+        check_compile(torch.device("cpu"))   # ConfigError without a C++ compiler
+    """
+    reason = compile_unavailable(device)
+    if reason:
+        raise ConfigError(f"--compile: {reason}; drop --compile to train without it")
+
+
 def compile_model(model: nn.Module, device: torch.device, mode: Optional[str] = None) -> nn.Module:
     """``torch.compile(model)``, after checking that it can run here (one clear error if not).
 
@@ -106,7 +118,5 @@ def compile_model(model: nn.Module, device: torch.device, mode: Optional[str] = 
 
         model = compile_model(rt.wrap(Net()), rt.device)
     """
-    reason = compile_unavailable(device)
-    if reason:
-        raise ConfigError(f"--compile: {reason}; drop --compile to train without it")
+    check_compile(device)
     return torch.compile(model, mode=mode)

@@ -11,7 +11,7 @@ import torch
 from ..data import per_rank_batch_size
 from ..engines import create as create_engine
 from ..errors import ConfigError
-from ..wrap import WrapOptions, compile_unavailable
+from ..wrap import WrapOptions, check_compile
 from .config import TrainConfig
 from .datasets import ON_DISK, available_datasets, dataset_key
 from .disk_datasets import require_pil
@@ -83,10 +83,7 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
                           "cifar100, synthetic); imagefolder is read file by file: use "
                           "--device-data off or auto")
     if cfg.compile:
-        reason = compile_unavailable(torch.device("cuda" if cuda and cfg.accelerator != "cpu"
-                                                  else "cpu"))
-        if reason:
-            raise ConfigError(f"--compile: {reason}; drop --compile to train without it")
+        check_compile(torch.device("cuda" if cuda and cfg.accelerator != "cpu" else "cpu"))
     if cfg.epochs < 1:
         raise ConfigError(f"--epochs must be >= 1, got {cfg.epochs}")
     if cfg.lr <= 0:
