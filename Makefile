@@ -8,7 +8,7 @@ VENV   ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-gpu test-multinode bench bench-quick peers horovod clean
+.PHONY: demo test test-gpu test-multinode test-slurm slurm bench bench-quick peers horovod clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed
 	$(BIN)/ddpkit train --output runs/demo
 
-# The layering contracts (pyproject.toml, import-linter), then the whole suite, multi-node tests included (they need root and `ip netns`; without them they
+# Installs Slurm for its tests (root + apt-get), then the layering contracts (pyproject.toml,
+# import-linter), then the whole suite, multi-node and real-Slurm tests included (they need root and `ip netns`; without them they
 # skip, with the reason in the summary). pytest exits 5 when it collected nothing: that must
 # fail, not pass silently.
-test: $(VENV)/.installed $(VENV)/.horovod
+test: $(VENV)/.installed $(VENV)/.horovod slurm
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
@@ -39,6 +40,19 @@ test-gpu: $(VENV)/.installed
 # Only the multi-node tests: several "machines" as Linux network namespaces (root), 2.5-4 min.
 test-multinode: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m multinode; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Debian's slurm-wlm + munge for the real-Slurm tests (tests/test_slurm.py bring up a private
+# two-node cluster and remove it; nothing is configured system-wide). Root and apt-get: ~10 s the
+# first time. In CI (CI=true) a failed install fails; elsewhere the Slurm tests skip with the reason.
+slurm:
+	@if bash scripts/install_slurm.sh; then :; \
+	elif [ "$$CI" = "true" ]; then echo "error: installing slurm-wlm/munge failed (see above)" >&2; exit 1; \
+	else echo "warning: no Slurm here; tests/test_slurm.py will be skipped" >&2; fi
+
+# Only the real-Slurm tests (about 2.5 min).
+test-slurm: $(VENV)/.installed slurm
+	$(BIN)/python -m pytest -q tests/test_slurm.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Horovod 0.28.1 built from source against this torch (the optional `--strategy horovod` engine

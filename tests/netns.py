@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import IO, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Cluster", "available", "sweep_stale", "SUBNET", "LAUNCH_VARS"]
+__all__ = ["Cluster", "available", "sweep_stale", "wait_for", "SUBNET", "LAUNCH_VARS"]
 
 SUBNET = "10.213.0"
 PREFIX = "ddpk"
@@ -81,6 +81,20 @@ def _probe() -> Tuple[bool, str]:
     finally:
         _ip("netns", "del", name, check=False)
     return True, ""
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; :class:`TimeoutError` naming ``what`` after ``timeout`` s.
+
+    Example::
+
+        wait_for(lambda: os.path.exists(path), 30, "the checkpoint")
+    """
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.1)
 
 
 def _pid_alive(pid: int) -> bool:

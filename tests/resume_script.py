@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -45,12 +46,12 @@ class Ledger(Hook):
     def on_fit_start(self, loop):
         name = f"ledger-r{loop.rt.rank}-a{self.attempt}-w{loop.rt.world_size}.jsonl"
         self.file = open(os.path.join(self.out, name), "w", buffering=1)
-        self.file.write(json.dumps({"start": list(loop.start_position)}) + "\n")
+        self.file.write(json.dumps({"start": list(loop.start_position), "t": time.time()}) + "\n")
 
     def on_batch_end(self, loop, batch):
         pos = loop.loader.state_dict()["samples_done"]
         self.file.write(json.dumps({"epoch": loop.loader.epoch, "pos": pos,
-                                    "idx": batch[2].tolist()}) + "\n")
+                                    "idx": batch[2].tolist(), "t": time.time()}) + "\n")
         os.fsync(self.file.fileno())
 
     def on_step_end(self, loop, metrics):

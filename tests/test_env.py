@@ -9,8 +9,28 @@ TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
             "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7"}
 
 SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-         "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1",
+         "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
          "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "train"}
+
+# What a real Slurm 22.05 gave the tasks of `srun -n 3` in a job of 2 nodes x 2 tasks (the
+# private cluster of tests/slurmcluster.py), task 2 (on the second node), abridged: the job's
+# --ntasks-per-node says 2, the step's own layout is 2,1.
+STEP_OF_3 = {"SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "job.sh", "SLURM_JOB_NODELIST": "node[1-2]",
+             "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_NTASKS": "3",
+             "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+             "SLURM_STEPID": "1", "SLURM_STEP_ID": "1", "SLURM_STEP_NODELIST": "node[1-2]",
+             "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "3",
+             "SLURM_STEP_TASKS_PER_NODE": "2,1"}
+# ... and of `srun -n 2 -N 1 -w node2` in the same job: the step runs on the job's second node.
+STEP_ON_NODE2 = dict(STEP_OF_3, SLURM_NNODES="1", SLURM_NODEID="0", SLURM_NTASKS="2",
+                     SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_STEP_ID="0", SLURM_STEPID="0",
+                     SLURM_STEP_NODELIST="node2", SLURM_STEP_NUM_NODES="1",
+                     SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="2")
+# ... and of the batch script itself (one process, not a task of a step).
+BATCH = {"SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "job.sh", "SLURM_JOB_NODELIST": "node[1-2]",
+         "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_NTASKS": "4",
+         "SLURM_NTASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_PROCID": "0",
+         "SLURM_LOCALID": "0"}
 
 
 def test_single_process_default():
@@ -53,6 +73,25 @@ def test_slurm_master_addr_override_and_compressed_nodelist():
     env = detect(dict(SLURM, SLURM_JOB_NODELIST="node[01-04,07]"))
     assert env.master_addr == "node01"
     assert detect(dict(SLURM, MASTER_ADDR="head")).master_addr == "head"
+
+
+def test_slurm_step_layout_comes_from_the_step():
+    env = detect(STEP_OF_3)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (2, 3, 0, 1)
+    assert (env.node_rank, env.master_addr, env.nodelist) == (1, "node1", "node[1-2]")
+    env = detect(STEP_ON_NODE2)
+    assert (env.rank, env.world_size, env.local_world_size, env.node_rank) == (1, 2, 2, 0)
+    assert env.master_addr == "node2"  # the step's first node, not the job's
+
+
+def test_slurm_batch_script_with_several_tasks_is_one_clear_error():
+    with pytest.raises(ConfigError, match="batch script of Slurm job 1, one process, but the job "
+                                          "has 4 tasks: start the script with srun"):
+        detect(BATCH)
+    one = {k: v for k, v in BATCH.items() if k != "SLURM_NTASKS_PER_NODE"}
+    one.update(SLURM_NTASKS="1", SLURM_NNODES="1", SLURM_TASKS_PER_NODE="1",
+               SLURM_JOB_NODELIST="node1")
+    assert detect(one).world_size == 1  # one task: one process, as asked
 
 
 def test_torchrun_wins_inside_srun():

@@ -35,7 +35,7 @@ def test_render_sbatch_gpu_contents() -> None:
     assert "ddpkit run" in srun[0]
     assert '--nnodes "$SLURM_NNODES"' in srun[0]
     assert "--nproc 4 " in srun[0]
-    assert '--rdzv-endpoint "$head_node:29400"' in srun[0]
+    assert '--rdzv-endpoint "$head_node:$port"' in srun[0] and "port=29400" in lines
     assert '--rdzv-id "$SLURM_JOB_ID"' in srun[0]
     # In the background (" &"): the batch shell must be free to take Slurm's SIGUSR1.
     assert srun[0].endswith("train.py --name 'my run' --lr=1e-3 &")
@@ -51,7 +51,8 @@ def test_render_sbatch_cpu_nodes_omit_gres() -> None:
     assert "--nproc 1 " in text
     assert "--partition" not in text
     assert "--cpus-per-task" not in text
-    assert '--rdzv-endpoint "$head_node:29500"' in text
+    # One port per job (from its id), the formula the library uses under srun.
+    assert "port=$((15000 + SLURM_JOB_ID % 20000))" in text.splitlines()
 
 
 def test_render_sbatch_quotes_hostile_script_path() -> None:
@@ -113,6 +114,7 @@ def test_render_sbatch_passes_the_rendezvous_timeout_and_restarts_to_every_node(
 def test_render_sbatch_asks_for_a_signal_before_the_end_and_requeues_after_the_checkpoint():
     text = render_sbatch(2, 4, "train.py", requeue_grace=90)
     assert "#SBATCH --signal=B:USR1@90" in text and "#SBATCH --requeue" in text
+    assert "#SBATCH --open-mode=append" in text  # the preempted run's log stays
     lines = text.splitlines()
     srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
     assert lines[srun].endswith(" &") and lines[srun + 1] == "step=$!"
@@ -156,3 +158,14 @@ def test_the_rendered_requeue_forwards_sigusr1_and_requeues_only_a_checkpointed_
         proc.send_signal(signal.SIGUSR1)
     assert proc.wait(timeout=10) == status
     assert logfile.read_text().splitlines() == log
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+@pytest.mark.parametrize("job_id", ["1", "123456", "4294967"])
+def test_the_rendered_port_is_the_one_the_library_derives_from_the_job_id(job_id) -> None:
+    from ddpkit.launch.sbatch import PORT_FROM_JOB_ID
+    from ddpkit.slurm_env import port_from_job_id
+
+    res = subprocess.run(["bash", "-c", f"echo {PORT_FROM_JOB_ID}"], capture_output=True,
+                         text=True, env={"SLURM_JOB_ID": job_id}, timeout=30)
+    assert int(res.stdout) == port_from_job_id(job_id)

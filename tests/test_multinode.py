@@ -19,7 +19,7 @@ from ddpkit.launch import network as net
 from ddpkit.launch import watchdog
 
 import resume_script
-from netns import Cluster, available
+from netns import Cluster, available, wait_for
 from test_resume import assert_bitwise_equal, assert_every_sample_once
 
 OK, WHY = available()
@@ -38,14 +38,6 @@ TIMEOUT_S = 6  # collective timeout of the fault scenarios
 def ledger_lines(out):
     """Batches recorded so far by rank 0 (all attempts)."""
     return sum(sum(1 for _ in open(p)) for p in glob.glob(os.path.join(out, "ledger-r0-*")))
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.2)
 
 
 def merged_ledgers(dirs, into):

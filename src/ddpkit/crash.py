@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import DDPKitError
+from .errors import DDPKitError, JobSetupError
 from .stops import quiet_exit
 
 __all__ = ["install_error_hook", "collective_timeout", "is_peer_failure", "die_with_launcher",
@@ -222,9 +222,17 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
                 _report_hang(progress, f"{prefix}error: {timed_out}\n")
             _write(f"{prefix}error: {timed_out}\n")
             os._exit(1)
+        text = "".join(traceback.format_exception(kind, value, tb))
+        if isinstance(value, JobSetupError):  # every rank found the same: rank 0 says it
+            _record_root_cause(value, text)
+            if rank == 0:
+                _write(f"error: {value}\n")
+                # On several nodes this node's agent serves the rendezvous store: the others'
+                # agents close the rendezvous through it before it goes (no noise from them).
+                time.sleep(delay if progress is not None and not single_node else 0.0)
+            os._exit(2)
         if rank != 0:
             time.sleep(delay)
-        text = "".join(traceback.format_exception(kind, value, tb))
         _record_root_cause(value, text)
         if isinstance(value, DDPKitError):
             _write(f"{prefix}error: {value}\n")

@@ -18,9 +18,10 @@ import torch.distributed as tdist
 from torch.distributed.rendezvous import rendezvous
 
 from .env import ClusterEnv
-from .errors import ConfigError
+from .errors import ConfigError, JobSetupError
 
 __all__ = ["select_device", "check_gpu_sharing", "resolve_backend", "resolve_init_method",
+           "check_master_resolves",
            "init_process_group", "shutdown", "DEFAULT_TIMEOUT"]
 
 #: Collective timeout. PyTorch's default of 30 minutes turns a dead peer into half an hour of
@@ -119,8 +120,34 @@ def resolve_init_method(env: ClusterEnv, init_method: Optional[str] = None) -> s
                           "(MASTER_ADDR/MASTER_PORT, or an init method such as file:///shared/f)")
     if env.launcher == "torchrun":
         return "env://"
+    if env.launcher == "slurm":
+        check_master_resolves(env)
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     return f"tcp://{host}:{env.master_port}"
+
+
+def check_master_resolves(env: ClusterEnv) -> None:
+    """Raise one :class:`ConfigError` if the master's host name names no address here.
+
+    Under Slurm the master is the step's first node *name*; where node names are not host names
+    (DNS knows the nodes by other names) every rank would otherwise wait for a store it cannot
+    find, until the timeout.
+
+    Example::
+
+        check_master_resolves(env)   # before connecting to tcp://master:port
+    """
+    import socket
+
+    host = env.master_addr or ""
+    try:
+        socket.getaddrinfo(host, env.master_port, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError) as exc:
+        where = f"the first node of the Slurm nodelist {env.nodelist}" if env.nodelist else "MASTER_ADDR"
+        raise JobSetupError(f"master host {host!r} ({where}) does not resolve on this node "
+                          f"({exc.args[-1] if exc.args else exc}); export MASTER_ADDR=<its "
+                          f"address> in the job script (`scontrol show node {host}` shows its "
+                          "NodeAddr), or fix DNS / /etc/hosts") from None
 
 
 def cpu_threads_per_process(env: ClusterEnv, environ: Mapping[str, str] = os.environ) -> Optional[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from .errors import ConfigError
+from .errors import ConfigError, JobSetupError
 from .slurm_env import first_host, parse_tasks_per_node, port_from_job_id
 
 __all__ = ["ClusterEnv", "detect", "spawn_env", "to_environ"]
@@ -38,6 +38,8 @@ class ClusterEnv:
     #: torchrun workers reuse the agent's rendezvous store (TORCHELASTIC_USE_AGENT_STORE=True);
     #: ``ddpkit run`` on several nodes turns that off: a fresh store per rendezvous round.
     shared_store: bool = False
+    #: Slurm: the step's hostlist, where ``master_addr`` (its first host) came from.
+    nodelist: Optional[str] = None
 
     @property
     def is_distributed(self) -> bool:
@@ -122,15 +124,36 @@ def _in_slurm_step(environ: Mapping[str, str]) -> bool:
     return environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
+def _slurm_step_id(environ: Mapping[str, str]) -> Optional[str]:
+    """The srun step this process is a task of; None in the batch script itself."""
+    return environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+
+
+def _check_not_batch_shell(environ: Mapping[str, str], world: int) -> None:
+    # The batch script has SLURM_PROCID=0 and the job's SLURM_NTASKS, but it is one process:
+    # adopting that world would wait for ranks nobody starts (the classic hang).
+    if world > 1 and _slurm_step_id(environ) is None:
+        job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "?"
+        raise JobSetupError(f"this is the batch script of Slurm job {job}, one process, but the "
+                          f"job has {world} tasks: start the script with srun (`srun python "
+                          "train.py`, one task per device), or with `srun ddpkit run ...` (one "
+                          "task per node; `ddpkit slurm` renders that script)")
+
+
 def _from_slurm(environ: Mapping[str, str]) -> ClusterEnv:
+    # A step's own variables first: `srun -n 2 -w node2` inside a bigger allocation runs on a
+    # subset of the job's nodes, with its own tasks per node.
     node = _int(environ, "SLURM_NODEID", 0)
-    per_node_raw = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-    world = _int(environ, "SLURM_NTASKS", 1)
+    world = _int(environ, "SLURM_STEP_NUM_TASKS", _int(environ, "SLURM_NTASKS", 1))
+    _check_not_batch_shell(environ, world)
+    per_node_raw = (environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+                    or environ.get("SLURM_NTASKS_PER_NODE"))
     local_world = world
     if per_node_raw:
         counts = parse_tasks_per_node(per_node_raw)
         local_world = counts[node] if node < len(counts) else counts[-1]
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                or environ.get("SLURM_NODELIST"))
     master = environ.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else None)
     if world > 1 and not master:
         raise ConfigError("Slurm job without SLURM_JOB_NODELIST or MASTER_ADDR: cannot find the "
@@ -142,7 +165,8 @@ def _from_slurm(environ: Mapping[str, str]) -> ClusterEnv:
     return ClusterEnv(rank=_int(environ, "SLURM_PROCID", 0), world_size=world,
                       local_rank=_int(environ, "SLURM_LOCALID", 0), local_world_size=local_world,
                       node_rank=node, master_addr=master, master_port=port, launcher="slurm",
-                      restart_count=_int(environ, "SLURM_RESTART_COUNT", 0), job_id=job_id)
+                      restart_count=_int(environ, "SLURM_RESTART_COUNT", 0), job_id=job_id,
+                      nodelist=nodelist)
 
 
 def detect(environ: Mapping[str, str], argv: Sequence[str] = (),

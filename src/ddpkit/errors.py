@@ -21,3 +21,13 @@ class ConfigError(DDPKitError):
 
         raise ConfigError("--accum-steps must be >= 1, got 0")
     """
+
+
+class JobSetupError(ConfigError):
+    """The job itself is set up wrongly (tasks per node, nodes, node names): every task finds
+    the same thing, so only the first one (rank 0, Slurm task 0) prints it.
+
+    Example::
+
+        raise JobSetupError("srun started 2 tasks on node1 ...; use --ntasks-per-node=1")
+    """

@@ -26,6 +26,7 @@ from .log import RunLogger, format_epoch, progress
 from .precision import Precision
 from .resume import TrainState, restore, run_state
 from .runtime import Runtime
+from .shared_dir import check_shared
 from .sharded import is_sharded, save_shards
 from .wrap import unwrap
 from .stops import StopRequested, signal_name
@@ -325,6 +326,8 @@ class _Fit:
             return state
 
     def _run(self) -> TrainState:
+        if self.ckpt is not None:  # several nodes: all of them must see the checkpoints
+            check_shared(self.ckpt.directory, self.rt.env.num_nodes)
         self.restore()
         self._started, self._first_step = time.monotonic(), self.state.step
         for hook in self.cfg.hooks:

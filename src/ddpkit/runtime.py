@@ -6,10 +6,12 @@ does one job (engines, env, dist, data, comm, evaluate).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import sys
 import warnings
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -189,6 +191,14 @@ class Runtime:
                 f"launcher={self.env.launcher})")
 
 
+def _rank_hint(environ: Mapping[str, str]) -> int:
+    """This process's rank as the launcher's variables say, before they are checked."""
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        with contextlib.suppress(KeyError, ValueError):
+            return int(environ[name])
+    return 0
+
+
 def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
           timeout: timedelta = DEFAULT_TIMEOUT, accelerator: str = "auto",
           seed: Optional[int] = None, deterministic: bool = False,
@@ -208,6 +218,7 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     """
     chosen = engines.create("ddp") if engine == "auto" and env is not None \
         else engines.choose(engine)  # an explicit env is a torch job (tests, custom launchers)
+    install_error_hook(_rank_hint(os.environ))  # a job set up wrongly: one line, not a traceback
     env = chosen.environment(env, sys.argv if argv is None else argv, expected_world_size)
     stops = Stops()
     if env.is_distributed and "ipykernel" not in sys.modules:

@@ -9,7 +9,8 @@ import argparse
 import sys
 from typing import List, Optional
 
-from ..errors import DDPKitError
+from ..errors import DDPKitError, JobSetupError
+from ..launch.srun import is_first_task
 from . import bench, ckpt, run, slurm, train
 
 __all__ = ["main", "entry", "build_parser"]
@@ -45,7 +46,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return int(ns.func(ns) or 0)
     except DDPKitError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if not isinstance(exc, JobSetupError) or is_first_task():  # the same in every task
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..launch.sbatch import DEFAULT_PORT, DEFAULT_REQUEUE_GRACE, render_sbatch
+from ..launch.sbatch import DEFAULT_REQUEUE_GRACE, render_sbatch
 from .flags import add_launch_flags
 
 __all__ = ["add_parser"]
@@ -25,8 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time", default="01:00:00")
     p.add_argument("--partition")
     p.add_argument("--cpus-per-task", type=int)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
-                   help=f"rendezvous port on the first node (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=int, default=None,
+                   help="rendezvous port on the first node (default: one per job, "
+                        "15000 + job id %% 20000, so jobs sharing a node do not collide)")
     add_launch_flags(p, only=["rdzv_timeout", "max_restarts"])  # passed to every node's run
     p.add_argument("--requeue-grace", type=int, default=DEFAULT_REQUEUE_GRACE, metavar="SECONDS",
                    help="Slurm sends SIGUSR1 this long before the time limit or a preemption: "

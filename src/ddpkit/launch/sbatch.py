@@ -9,10 +9,11 @@ from typing import List, Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["render_sbatch", "DEFAULT_PORT", "DEFAULT_REQUEUE_GRACE"]
+__all__ = ["render_sbatch", "DEFAULT_REQUEUE_GRACE", "PORT_FROM_JOB_ID"]
 
-#: The rendezvous port on the head node.
-DEFAULT_PORT = 29500
+#: The rendezvous port on the head node unless one is given: one per job, so that jobs sharing a
+#: node do not collide (the formula of :func:`ddpkit.slurm_env.port_from_job_id`).
+PORT_FROM_JOB_ID = "$((15000 + SLURM_JOB_ID % 20000))"
 #: Seconds between Slurm's SIGUSR1 and the end: time to finish a step and save a checkpoint.
 DEFAULT_REQUEUE_GRACE = 120
 
@@ -33,12 +34,13 @@ def _check_directive(name: str, value: object) -> None:
 
 def _check_sbatch_args(
     nodes: int, gpus_per_node: int, script: str, script_args: Sequence[str],
-    cpus_per_task: int | None, port: int, extra_sbatch: Sequence[str],
+    cpus_per_task: int | None, port: int | None, extra_sbatch: Sequence[str],
 ) -> None:
     """Validate the numeric and free-text arguments of :func:`render_sbatch`."""
     _check_int("nodes", nodes, 1)
     _check_int("gpus_per_node", gpus_per_node, 0)
-    _check_int("port", port, 1, 65535)
+    if port is not None:
+        _check_int("port", port, 1, 65535)
     if cpus_per_task is not None:
         _check_int("cpus_per_task", cpus_per_task, 1)
     if not isinstance(script, str) or not script.strip():
@@ -66,7 +68,7 @@ def render_sbatch(
     time: str = "01:00:00",
     partition: str | None = None,
     cpus_per_task: int | None = None,
-    port: int = DEFAULT_PORT,
+    port: int | None = None,
     extra_sbatch: Sequence[str] = (),
     rdzv_timeout: float | None = None,
     max_restarts: int = 0,
@@ -75,7 +77,8 @@ def render_sbatch(
     """Render an sbatch script running ``ddpkit run`` on ``nodes`` x ``gpus_per_node``.
 
     One launcher task per node; each spawns ``gpus_per_node`` workers (1 on CPU
-    nodes, where ``--gres`` is omitted) and joins a c10d rendezvous on the head node.
+    nodes, where ``--gres`` is omitted) and joins a c10d rendezvous on the head node, at ``port``
+    (default: one per job, from its id, so that jobs sharing a node do not collide).
     ``rdzv_timeout``: seconds every node has to join; ``max_restarts``: whole-group restarts
     after a worker dies (the script resumes from its checkpoints). ``requeue_grace``: Slurm
     sends SIGUSR1 that many seconds before the time limit or a preemption; every rank finishes
@@ -110,7 +113,9 @@ def render_sbatch(
     lines += [f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task is not None else []
     lines += [f"#SBATCH --partition={partition}"] if partition is not None else []
     if requeue_grace is not None:  # B: only the batch shell gets it; it tells the step below
-        lines += [f"#SBATCH --signal=B:USR1@{requeue_grace}", "#SBATCH --requeue"]
+        # append: a requeued run adds to the log instead of replacing the preempted one's.
+        lines += [f"#SBATCH --signal=B:USR1@{requeue_grace}", "#SBATCH --requeue",
+                  "#SBATCH --open-mode=append"]
     lines += [_directive(line) for line in extra_sbatch]
     command = " ".join(shlex.quote(arg) for arg in [script, *script_args])
     options = (f" --rdzv-timeout {rdzv_timeout:g}" if rdzv_timeout is not None else "") + \
@@ -121,11 +126,13 @@ def render_sbatch(
         "",
         "# First allocated host runs the c10d rendezvous store (sed reads all input: no SIGPIPE under pipefail).",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+        *(["# One port per job: jobs that share a node do not collide.",
+           f"port={PORT_FROM_JOB_ID}"] if port is None else [f"port={port}"]),
         "",
         "# One launcher per node; node ranks come from the rendezvous.",
     ]
     srun = (f'srun ddpkit run --nnodes "$SLURM_NNODES" --nproc {nproc} '
-            f'--rdzv-endpoint "$head_node:{port}" --rdzv-id "$SLURM_JOB_ID"{options} {command}')
+            f'--rdzv-endpoint "$head_node:$port" --rdzv-id "$SLURM_JOB_ID"{options} {command}')
     lines += [srun] if requeue_grace is None else _requeue(srun, requeue_grace)
     return "\n".join(lines) + "\n"
 

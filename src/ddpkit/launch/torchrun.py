@@ -17,7 +17,7 @@ import torch
 from ..crash import LAUNCHER_PID_VAR
 from ..errors import ConfigError
 from ..stops import STOP_SIGNALS, signal_name
-from . import network as net, watchdog
+from . import network as net, srun, watchdog
 from .network import port_in_use
 
 __all__ = ["RunConfig", "run", "torchrun_args", "resolve_nproc", "AGENT_SIGNALS"]
@@ -78,6 +78,7 @@ def _validate(cfg: RunConfig) -> int:
     nproc = resolve_nproc(cfg.nproc)
     if cfg.nnodes < 1:
         raise ConfigError(f"--nnodes must be >= 1, got {cfg.nnodes}")
+    srun.check_layout(cfg.nnodes, nproc)  # a task of an srun step: one per node
     if not 0 <= cfg.node_rank < cfg.nnodes:
         raise ConfigError(f"--node-rank {cfg.node_rank} is impossible with --nnodes "
                           f"{cfg.nnodes} (node ranks run from 0 to {cfg.nnodes - 1})")

@@ -1,0 +1,346 @@
+"""Slurm for real: a private cluster (slurmctld + 2 slurmd, each node its own network namespace,
+munge authentication; tests/slurmcluster.py) runs what users run.
+
+- the script `ddpkit slurm --nodes 2` prints, submitted with sbatch, trains across the two nodes
+  bitwise like one node with two processes; so does `srun python train.py` with the library alone;
+- the layout every task sees (tasks per node, uneven steps, a step on a subset of the nodes) comes
+  from the real Slurm variables;
+- preemption end to end: SIGUSR1 from Slurm (the time-limit warning), then a requeue by the
+  scheduler (SIGTERM): every rank finishes its step, saves, the job requeues and ends bitwise like
+  an uninterrupted run, every sample once per epoch;
+- bad input: a wrong task layout, a batch script without srun, node names that do not resolve, a
+  checkpoint directory that is not shared: one line each, at once.
+
+Needs root and Debian's slurm-wlm + munge (`make test` installs them); skips with the reason
+otherwise. The jobs run side by side on one cluster, so the file costs about its longest job.
+"""
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+
+import pytest
+import torch
+
+import ddpkit
+import resume_script
+from netns import wait_for
+from slurmcluster import CRED_EXPIRE, SlurmCluster, available
+from test_resume import assert_bitwise_equal, assert_every_sample_once
+
+OK, WHY = available()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=WHY)]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PY = sys.executable
+RESUME = os.path.join(HERE, "resume_script.py")
+SLOW_JOB = os.path.join(HERE, "multinode_script.py")
+#: What the jobs' shells need: this Python and its `ddpkit` first on PATH.
+JOB_ENV = {"PATH": os.path.dirname(PY) + os.pathsep + os.environ.get("PATH", ""),
+           "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), HERE])}
+
+
+def render(*args):
+    """What `ddpkit slurm ARGS` prints."""
+    res = subprocess.run([PY, "-m", "ddpkit", "slurm", *args], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+class Job:
+    """A batch script submitted to the cluster, its output file and output directory."""
+
+    def __init__(self, slurm, base, name, text, *options):
+        self.dir = base / name
+        self.out = self.dir / "out"
+        self.out.mkdir(parents=True)
+        self.script, self.log = self.dir / "job.sh", self.dir / "slurm.log"
+        self.script.write_text(text.replace("@OUT@", str(self.out)))
+        self.id = slurm.sbatch(self.script, "-o", str(self.log), *options, cwd=ROOT, env=JOB_ENV)
+        self.slurm = slurm
+
+    def wait(self, timeout=240):
+        return self.slurm.wait(self.id, timeout)
+
+    def output(self):
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def error_lines(text):
+    return [line for line in text.splitlines() if "error:" in line and not line.startswith("srun:")]
+
+
+def ledger_lines(out, attempt=None):
+    pattern = "ledger-r0-*" if attempt is None else f"ledger-r0-a{attempt}-*"
+    return [json.loads(line) for p in glob.glob(os.path.join(out, pattern))
+            for line in open(p) if line.strip()]
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with SlurmCluster(2, workdir=tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, jobs):  # after `jobs`: computed while they run
+    out = tmp_path_factory.mktemp("reference")
+    result = ddpkit.launch(resume_script.train, 2, str(out), timeout=240)
+    assert result["step"] == 3 * resume_script.SAMPLES // 8
+    return result
+
+
+LAYOUT = ("import os; from ddpkit.env import detect; e = detect(os.environ); "
+          "print('layout', e.launcher, e.rank, e.world_size, e.local_rank, e.local_world_size, "
+          "e.node_rank, e.master_addr, flush=True)")
+
+BATCH_ONLY = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+python {script} --out @OUT@
+"""
+SRUN_LIBRARY = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+srun python {script} --out @OUT@
+"""
+LAYOUTS = f"""#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=2
+srun python -c "{LAYOUT}" | sort
+echo ---
+srun -n 3 python -c "{LAYOUT}" | sort
+echo ---
+srun -n 2 -N 1 -w node2 python -c "{LAYOUT}" | sort
+"""
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm, tmp_path_factory):
+    """Every job of this file but the unresolvable-names one, submitted at once."""
+    base = tmp_path_factory.mktemp("jobs")
+    rendered = render("--nodes", "2", "--gpus-per-node", "0", "--no-requeue", RESUME,
+                      "--out", "@OUT@")
+    preemptible = render("--nodes", "2", "--gpus-per-node", "0", "--requeue-grace", "60",
+                         SLOW_JOB, "--out", "@OUT@", "--step-sleep", "0.25")
+    out = {
+        "preempt": Job(slurm, base, "preempt", preemptible),
+        "rendered": Job(slurm, base, "rendered", rendered),
+        "srun": Job(slurm, base, "srun", SRUN_LIBRARY.format(script=RESUME)),
+        "layouts": Job(slurm, base, "layouts", LAYOUTS),
+        "two_per_node": Job(slurm, base, "two_per_node",
+                            rendered.replace("--ntasks-per-node=1", "--ntasks-per-node=2")),
+        "nnodes": Job(slurm, base, "nnodes",
+                      rendered.replace('--nnodes "$SLURM_NNODES"', "--nnodes 3")),
+        "batch_only": Job(slurm, base, "batch_only", BATCH_ONLY.format(script=RESUME)),
+        "scratch": Job(slurm, base, "scratch",
+                       rendered.replace("@OUT@", str(slurm.scratch / "ckpt-here"))),
+    }
+    out["preempt"].driver = Preemption(slurm, out["preempt"])
+    yield out
+    for job in out.values():
+        slurm.run("scancel", job.id, check=False)
+
+
+class Preemption(threading.Thread):
+    """Drives the preemptible job: SIGUSR1 from Slurm after 8 steps (the time-limit warning:
+    `scancel --batch --signal=USR1`), then, 6 steps into the requeued run, a requeue by the
+    scheduler (`scontrol requeue`: SIGTERM to every task). Notes when each thing happened."""
+
+    def __init__(self, slurm, job):
+        super().__init__(daemon=True)
+        self.slurm, self.job, self.t, self.error = slurm, job, {}, None
+        self.start()
+
+    def run(self):
+        try:
+            self._drive()
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+    def _drive(self):
+        s, job, out = self.slurm, self.job, str(self.job.out)
+        wait_for(lambda: len(ledger_lines(out, 0)) >= 9, 180, "8 steps")  # start line + 8
+        self.t["usr1"] = time.time()
+        s.run("scancel", "--batch", "--signal=USR1", job.id)
+        info = s.wait_for(job.id, lambda i: i.restarts >= 1, 120, "requeued after SIGUSR1")
+        self.t["requeued1"] = time.time()
+        wait_for(lambda: self._resumed_steps(1) >= 6, 180, "6 steps after the first requeue")
+        self.t["term"] = time.time()
+        s.run("scontrol", "requeue", job.id)
+        s.wait_for(job.id, lambda i: i.restarts >= 2, 120, "requeued by scontrol")
+        self.t["requeued2"] = time.time()
+        self.info = s.wait(job.id, 240)
+        self.t["done"] = time.time()
+        self.attempts = self._attempts()
+        assert info.restarts >= 1
+
+    def _attempts(self):
+        """{start step: ledger records} for each run of the job, in order."""
+        runs = {}
+        for path in glob.glob(os.path.join(str(self.job.out), "ledger-r0-a*-w2.jsonl")):
+            step = int(re.search(r"-a(\d+)-", path).group(1))
+            runs[step] = [json.loads(line) for line in open(path) if line.strip()]
+        return dict(sorted(runs.items()))
+
+    def _resumed_steps(self, n):
+        runs = self._attempts()
+        return len(list(runs.values())[n]) - 1 if len(runs) > n else 0
+
+
+# ----------------------------------------------------------------------------- the harness
+
+def test_harness_brings_up_two_nodes_and_removes_everything_also_after_an_error(tmp_path):
+    cluster = SlurmCluster(2, workdir=tmp_path / "c")
+    with pytest.raises(RuntimeError, match="boom"):
+        with cluster:
+            assert cluster.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.split() == [
+                "node1", "idle", "node2", "idle"]
+            script = tmp_path / "sleep.sh"
+            script.write_text("#!/bin/bash\n#SBATCH --nodes=2\nsrun sleep 300\n")
+            job = cluster.sbatch(script, "-o", str(tmp_path / "sleep.log"))
+            cluster.wait_for(job, lambda i: i.state == "RUNNING", 30, "running")
+            namespaces = [cluster.net.ns(i) for i in range(2)] + [cluster.net.switch]
+            pids = [p.pid for p in cluster.daemons.values()]
+            raise RuntimeError("boom")
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in listed for ns in namespaces)
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split(")")[1][:3]
+    left = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True).stdout
+    assert not left.strip(), f"job processes left behind: {left}"
+
+
+# ----------------------------------------------------------------------------- what users run
+
+def test_the_rendered_sbatch_trains_on_two_nodes_bitwise_like_one_node(jobs, reference):
+    job = jobs["rendered"]
+    info = job.wait()
+    assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), job.output()[-3000:]
+    assert info.nodes == "node[1-2]"
+    final = torch.load(job.out / "final.pt", weights_only=True)
+    assert final["step"] == reference["step"]
+    assert_bitwise_equal(final["params"], reference["params"])
+    assert_every_sample_once(str(job.out), 3)
+    assert "Traceback" not in job.output()
+
+
+def test_srun_python_with_the_library_alone_forms_the_world_from_slurm(jobs, reference):
+    job = jobs["srun"]
+    info = job.wait()
+    assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), job.output()[-3000:]
+    final = torch.load(job.out / "final.pt", weights_only=True)
+    assert_bitwise_equal(final["params"], reference["params"])
+    assert sorted(os.path.basename(p) for p in glob.glob(str(job.out / "ledger-*"))) == [
+        "ledger-r0-a0-w2.jsonl", "ledger-r1-a0-w2.jsonl"]
+    assert_every_sample_once(str(job.out), 3)
+
+
+def test_every_task_sees_its_place_in_the_step_from_the_real_variables(jobs):
+    job = jobs["layouts"]
+    assert job.wait().state == "COMPLETED", job.output()
+    blocks = [[line.split()[1:] for line in block.splitlines() if line.startswith("layout")]
+              for block in job.output().split("---")]
+    # launcher rank world local_rank local_world node_rank master
+    assert blocks[0] == [["slurm", "0", "4", "0", "2", "0", "node1"],
+                         ["slurm", "1", "4", "1", "2", "0", "node1"],
+                         ["slurm", "2", "4", "0", "2", "1", "node1"],
+                         ["slurm", "3", "4", "1", "2", "1", "node1"]]
+    assert blocks[1] == [["slurm", "0", "3", "0", "2", "0", "node1"],   # tasks per node 2,1
+                         ["slurm", "1", "3", "1", "2", "0", "node1"],
+                         ["slurm", "2", "3", "0", "1", "1", "node1"]]
+    assert blocks[2] == [["slurm", "0", "2", "0", "2", "0", "node2"],   # the step's own node
+                         ["slurm", "1", "2", "1", "2", "0", "node2"]]
+
+
+# ----------------------------------------------------------------------------- preemption
+
+def test_preempted_twice_by_slurm_requeues_and_resumes_bitwise_every_sample_once(
+        jobs, reference):
+    job = jobs["preempt"]
+    driver = job.driver
+    driver.join(timeout=420)
+    assert not driver.is_alive(), "the preemption driver did not finish"
+    if driver.error is not None:
+        raise AssertionError(f"{driver.error}\n{job.output()[-4000:]}") from driver.error
+    assert (driver.info.state, driver.info.restarts) == ("COMPLETED", 2), job.output()[-3000:]
+    log = job.output()  # --open-mode=append: all three runs
+    assert "stopped by SIGUSR1 at step" in log and "stopped by SIGTERM at step" in log, log
+    assert log.count("resumed from") == 2 and "Traceback" not in log
+    final = torch.load(job.out / "final.pt", weights_only=True)
+    assert final["step"] == reference["step"]
+    assert_bitwise_equal(final["params"], reference["params"])
+    assert_every_sample_once(str(job.out), 3)
+    runs = driver.attempts
+    assert len(runs) == 3 and list(runs)[0] == 0
+    # Figures (benchmarks/slurm_preempt.py measures them over several cycles).
+    first, second, third = runs.values()
+    saved = sorted(os.path.getmtime(p) for p in glob.glob(str(job.out / "ckpt" / "ckpt-*.pt")))
+    figures = {
+        "signal_to_last_step_s": first[-1]["t"] - driver.t["usr1"],
+        "requeue_to_first_step_s": second[1]["t"] - driver.t["requeued1"],
+        "requeue_wait_s": CRED_EXPIRE,
+        "term_to_last_step_s": second[-1]["t"] - driver.t["term"],
+    }
+    print("slurm preemption:", json.dumps({k: round(v, 2) for k, v in figures.items()}))
+    assert saved and figures["signal_to_last_step_s"] < 30
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def assert_one_line(job, text, code="2:0"):
+    info = job.wait(120)
+    log = job.output()
+    assert (info.state, info.exit_code) == ("FAILED", code), log[-3000:]
+    assert len(error_lines(log)) == 1, log[-3000:]
+    assert text in error_lines(log)[0], log[-3000:]
+    assert "Traceback" not in log
+    started, ended = (datetime.fromisoformat(info.fields[k]) for k in ("StartTime", "EndTime"))
+    assert (ended - started).total_seconds() < 60, "not at once"
+    return info
+
+
+def test_two_tasks_per_node_around_ddpkit_run_is_one_line(jobs):
+    assert_one_line(jobs["two_per_node"], "error: srun started 2 tasks on node1")
+    assert "--ntasks-per-node=1" in error_lines(jobs["two_per_node"].output())[0]
+
+
+def test_nnodes_other_than_the_steps_is_one_line(jobs):
+    assert_one_line(jobs["nnodes"], 'ddpkit run --nnodes 3, but this srun step runs on 2 node(s)')
+
+
+def test_a_batch_script_without_srun_is_one_line_not_a_hang(jobs):
+    assert_one_line(jobs["batch_only"], "is the batch script of Slurm job")
+    assert "srun python train.py" in error_lines(jobs["batch_only"].output())[0]
+
+
+def test_a_checkpoint_directory_on_node_local_disk_is_one_line_before_training(jobs):
+    job = jobs["scratch"]
+    assert_one_line(job, "is not shared between the nodes: node2 cannot see what rank 0 "
+                         "writes there on node1")
+    assert "epoch 1/3" not in job.output()  # stopped before any training
+
+
+def test_node_names_that_do_not_resolve_are_one_line_each_way(tmp_path):
+    with SlurmCluster(2, workdir=tmp_path / "c", resolvable=False) as slurm:
+        library = Job(slurm, tmp_path, "srun", SRUN_LIBRARY.format(script=RESUME))
+        rendered = Job(slurm, tmp_path, "rendered",
+                       render("--nodes", "2", "--gpus-per-node", "0", "--no-requeue", RESUME,
+                              "--out", "@OUT@"))
+        assert_one_line(library, "master host 'node1' (the first node of the Slurm nodelist "
+                                 "node[1-2]) does not resolve on this node")
+        assert "MASTER_ADDR" in error_lines(library.output())[0]
+        info = rendered.wait(120)
+        log = rendered.output()
+        assert info.state == "FAILED" and "Traceback" not in log, log[-3000:]
+        assert [line for line in error_lines(log)] and all(
+            "rendezvous host 'node1' does not resolve" in line for line in error_lines(log)), log
