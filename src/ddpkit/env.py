@@ -195,7 +195,7 @@ def detect(environ: Mapping[str, str], argv: Sequence[str] = (),
     if expected_world_size is not None and expected_world_size != env.world_size:
         hint = ("set --ntasks-per-node to the number of devices per node (one task per device)"
                 if env.launcher == "slurm" else "launch as many processes as requested")
-        raise ConfigError(f"{env.launcher} started {env.world_size} process(es) but world size "
+        raise JobSetupError(f"{env.launcher} started {env.world_size} process(es) but world size "
                           f"{expected_world_size} was requested; {hint}")
     return env
 
