@@ -45,7 +45,13 @@ def _runs(out: Path) -> dict:
     runs = {}
     for path in glob.glob(str(out / "ledger-r0-a*-w2.jsonl")):
         step = int(re.search(r"-a(\d+)-", path).group(1))
-        runs[step] = [json.loads(line) for line in open(path) if line.strip()]
+        records = []
+        for line in open(path):
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # the line being written right now
+                break
+        runs[step] = records
     return dict(sorted(runs.items()))
 
 
@@ -77,9 +83,9 @@ def measure(cycles: int, workdir: Path) -> dict:
             before = _newest_ckpt(out)
             t_signal = time.time()
             slurm.run("scancel", "--batch", "--signal=USR1", job)
-            slurm.wait_for(job, lambda i: i.restarts > cycle, 120, "requeued")
+            slurm.wait_for(job, lambda i: i.restarts > cycle, 120, "requeued", every=0.1)
             t_requeued = time.time()
-            slurm.wait_for(job, lambda i: i.state == "RUNNING", 300, "running again")
+            slurm.wait_for(job, lambda i: i.state == "RUNNING", 300, "running again", every=0.1)
             t_running = time.time()
             wait_for(lambda: len(_runs(out)) > cycle + 1
                      and len(list(_runs(out).values())[cycle + 1]) > 1, 180, "first step")

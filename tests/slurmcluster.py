@@ -15,6 +15,7 @@ inside ``node1``'s namespace with ``SLURM_CONF`` pointing at the private configu
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -33,7 +34,7 @@ __all__ = ["SlurmCluster", "JobInfo", "available", "DAEMONS", "CLIENTS"]
 DAEMONS = ("slurmctld", "slurmd", "munged", "mungekey", "nsenter")
 CLIENTS = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 #: Seconds a requeued job waits before it may start again (Slurm's default is 120).
-CRED_EXPIRE = 10
+CRED_EXPIRE = 5
 _available: Optional[Tuple[bool, str]] = None
 
 
@@ -119,7 +120,7 @@ class SlurmCluster:
     """
 
     def __init__(self, nodes: int = 2, workdir: Optional[os.PathLike] = None,
-                 cpus: int = 8, resolvable: bool = True) -> None:
+                 cpus: int = 16, resolvable: bool = True) -> None:
         self.nodes, self.cpus = nodes, cpus
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="ddpk-slurm-")).resolve()
@@ -146,6 +147,7 @@ class SlurmCluster:
         ok, why = available()
         if not ok:
             raise RuntimeError(why)
+        atexit.register(self.close)  # munged runs on the host: never leave it behind
         try:
             self.net.__enter__()
             self._start_munge()
@@ -252,6 +254,7 @@ class SlurmCluster:
                 except (ProcessLookupError, PermissionError):
                     pass
         self.net.close()  # kills every process left in the nodes (slurmstepd, job steps)
+        atexit.unregister(self.close)
         for proc in self.daemons.values():
             try:
                 proc.wait(timeout=10)
@@ -262,15 +265,18 @@ class SlurmCluster:
 
     # ------------------------------------------------------------------ clients
     def command(self, argv: Sequence[str], node: int = 0) -> List[str]:
-        """``argv`` wrapped to run on ``node`` (a login shell there, as a user would)."""
-        return self.net.command(node, argv)
+        """``argv`` run on ``node``'s network (a client: it only talks to slurmctld)."""
+        return ["nsenter", f"--net=/var/run/netns/{self.net.ns(node)}", *argv]
 
     def run(self, *argv: str, check: bool = True, timeout: float = 30,
             node: int = 0) -> subprocess.CompletedProcess:
         """Run a Slurm client command on ``node``, e.g. ``run("scontrol", "requeue", job)``."""
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, **self.env}
-        res = subprocess.run(self.command(argv, node), capture_output=True, text=True,
-                             env=env, timeout=timeout)
+        try:
+            res = subprocess.run(self.command(argv, node), capture_output=True, text=True,
+                                 env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{' '.join(argv)} did not answer within {timeout:.0f} s") from None
         if check and res.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited with {res.returncode}: "
                                f"{res.stderr.strip() or res.stdout.strip()}")
@@ -306,28 +312,32 @@ class SlurmCluster:
                                       "PREEMPTED")) -> JobInfo:
         """Poll the job until its state is one of ``states``; past ``timeout`` s cancel it and
         raise :class:`TimeoutError` with the logs."""
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.job(job_id)
-            if info.state in states:
-                return info
-            if time.monotonic() > deadline:
-                self.run("scancel", job_id, check=False)
-                raise TimeoutError(f"job {job_id} still {info.state} after {timeout:.0f} s\n"
-                                   f"{self.logs()}")
-            time.sleep(0.1)
+        info = self.wait_for(job_id, lambda i: i.state in states, timeout,
+                             f"ended ({'/'.join(states[:3])}...)", cancel=True)
+        return info
 
-    def wait_for(self, job_id: str, predicate, timeout: float, what: str) -> JobInfo:
-        """Poll the job until ``predicate(info)`` holds (e.g. it restarted and runs again)."""
+    def wait_for(self, job_id: str, predicate, timeout: float, what: str,
+                 cancel: bool = False, every: float = 0.5) -> JobInfo:
+        """Poll the job every ``every`` s until ``predicate(info)`` holds (e.g. it restarted and
+        runs again); a query that fails is retried until the deadline (slurmctld may be busy).
+        Past ``timeout``: :class:`TimeoutError` with the logs (``cancel``: the job cancelled)."""
         deadline = time.monotonic() + timeout
+        info, failure = None, None
         while True:
-            info = self.job(job_id)
-            if predicate(info):
+            try:
+                info, failure = self.job(job_id), None
+            except RuntimeError as exc:
+                failure = exc
+            if info is not None and failure is None and predicate(info):
                 return info
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id}: not {what} after {timeout:.0f} s "
-                                   f"({info.state}, {info.restarts} restarts)\n{self.logs()}")
-            time.sleep(0.1)
+                if cancel:
+                    self.run("scancel", job_id, check=False)
+                seen = (f"{info.state}, {info.restarts} restarts" if info is not None
+                        else "never seen")
+                raise TimeoutError(f"job {job_id}: not {what} after {timeout:.0f} s ({seen}; "
+                                   f"last query: {failure or 'ok'})\n{self.logs()}")
+            time.sleep(every)
 
     # ------------------------------------------------------------------ reports
     def _log(self, name: str) -> str:

@@ -82,6 +82,14 @@ def test_slurm_step_layout_comes_from_the_step():
     env = detect(STEP_ON_NODE2)
     assert (env.rank, env.world_size, env.local_world_size, env.node_rank) == (1, 2, 2, 0)
     assert env.master_addr == "node2"  # the step's first node, not the job's
+    assert env.num_nodes == 1
+
+
+def test_the_number_of_nodes_is_the_same_on_every_rank_of_an_uneven_step():
+    # 2 + 1 tasks: 3 // 2 would say one node on the first node and three on the second.
+    first = dict(STEP_OF_3, SLURM_NODEID="0", SLURM_PROCID="0")
+    assert detect(first).num_nodes == detect(STEP_OF_3).num_nodes == 2
+    assert detect(dict(TORCHRUN, GROUP_WORLD_SIZE="3")).num_nodes == 3
 
 
 def test_slurm_batch_script_with_several_tasks_is_one_clear_error():

@@ -13,6 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Task 1 (on node2) of `srun ddpkit run ...` in a job of 2 nodes x 1 task.
 TASK = {"SLURM_JOB_ID": "5", "SLURM_PROCID": "1", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
         "SLURM_STEPID": "0", "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NODELIST": "node[1-2]",
         "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
         "SLURMD_NODENAME": "node2"}
 
@@ -31,8 +32,10 @@ def test_one_task_per_node_on_the_steps_nodes_passes():
 
 @pytest.mark.parametrize("changes, nnodes, words", [
     ({"SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NUM_TASKS": "4"}, 2,
-     "srun started 2 tasks on node2 (tasks per node: 2(x2))"),
-    ({"SLURM_STEP_TASKS_PER_NODE": "1,2", "SLURM_STEP_NUM_TASKS": "3"}, 2, "srun started 2 tasks"),
+     "srun started 2 tasks on node1 (tasks per node: 2(x2))"),
+    # Every task decides from the whole step: the one alone on node1 stops too.
+    ({"SLURM_STEP_TASKS_PER_NODE": "1,2", "SLURM_STEP_NUM_TASKS": "3", "SLURM_NODEID": "0",
+      "SLURM_PROCID": "0"}, 2, "srun started 2 tasks on node2 (tasks per node: 1,2)"),
     ({}, 3, 'ddpkit run --nnodes 3, but this srun step runs on 2 node(s): pass --nnodes '
             '"$SLURM_NNODES"'),
 ])

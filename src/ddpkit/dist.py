@@ -18,7 +18,7 @@ import torch.distributed as tdist
 from torch.distributed.rendezvous import rendezvous
 
 from .env import ClusterEnv
-from .errors import ConfigError, JobSetupError
+from .errors import ConfigError
 
 __all__ = ["select_device", "check_gpu_sharing", "resolve_backend", "resolve_init_method",
            "check_master_resolves",
@@ -120,8 +120,6 @@ def resolve_init_method(env: ClusterEnv, init_method: Optional[str] = None) -> s
                           "(MASTER_ADDR/MASTER_PORT, or an init method such as file:///shared/f)")
     if env.launcher == "torchrun":
         return "env://"
-    if env.launcher == "slurm":
-        check_master_resolves(env)
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     return f"tcp://{host}:{env.master_port}"
 
@@ -131,7 +129,8 @@ def check_master_resolves(env: ClusterEnv) -> None:
 
     Under Slurm the master is the step's first node *name*; where node names are not host names
     (DNS knows the nodes by other names) every rank would otherwise wait for a store it cannot
-    find, until the timeout.
+    find, until the timeout. Whether a name resolves can differ between nodes, so every rank that
+    cannot resolve it says so.
 
     Example::
 
@@ -144,7 +143,7 @@ def check_master_resolves(env: ClusterEnv) -> None:
         socket.getaddrinfo(host, env.master_port, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError) as exc:
         where = f"the first node of the Slurm nodelist {env.nodelist}" if env.nodelist else "MASTER_ADDR"
-        raise JobSetupError(f"master host {host!r} ({where}) does not resolve on this node "
+        raise ConfigError(f"master host {host!r} ({where}) does not resolve on this node "
                           f"({exc.args[-1] if exc.args else exc}); export MASTER_ADDR=<its "
                           f"address> in the job script (`scontrol show node {host}` shows its "
                           "NodeAddr), or fix DNS / /etc/hosts") from None
@@ -185,6 +184,8 @@ def init_process_group(env: ClusterEnv, device: torch.device, backend: Optional[
     if tdist.is_initialized():
         return tdist.get_backend()
     url = resolve_init_method(env, init_method)
+    if env.launcher == "slurm" and url.startswith("tcp://"):
+        check_master_resolves(env)  # a name that does not resolve: one line, not a long wait
     if url == "env://" and env.restart_count > 0 and env.shared_store:
         # After an elastic restart the agent's shared store still holds the previous attempt's
         # addresses; a rank reading one of those connects to a dead peer. Namespace by attempt.

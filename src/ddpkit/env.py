@@ -40,6 +40,9 @@ class ClusterEnv:
     shared_store: bool = False
     #: Slurm: the step's hostlist, where ``master_addr`` (its first host) came from.
     nodelist: Optional[str] = None
+    #: Nodes in the job when the launcher says (torchrun's GROUP_WORLD_SIZE, the srun step's
+    #: node count); otherwise :attr:`num_nodes` assumes as many processes on every node.
+    nodes: Optional[int] = None
 
     @property
     def is_distributed(self) -> bool:
@@ -53,7 +56,10 @@ class ClusterEnv:
 
     @property
     def num_nodes(self) -> int:
-        """Number of nodes, assuming the same number of processes on each."""
+        """Number of nodes: as the launcher says, else assuming as many processes on each (the
+        same on every rank either way, so ranks can decide on it alike)."""
+        if self.nodes is not None:
+            return self.nodes
         return max(1, self.world_size // max(1, self.local_world_size))
 
     def validate(self) -> "ClusterEnv":
@@ -112,7 +118,7 @@ def _from_torchrun(environ: Mapping[str, str], argv: Sequence[str]) -> ClusterEn
         master_port=_int(environ, "MASTER_PORT"),
         launcher="torchrun",
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
-        job_id=environ.get("TORCHELASTIC_RUN_ID"),
+        job_id=environ.get("TORCHELASTIC_RUN_ID"), nodes=_int(environ, "GROUP_WORLD_SIZE"),
         shared_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
@@ -166,7 +172,8 @@ def _from_slurm(environ: Mapping[str, str]) -> ClusterEnv:
                       local_rank=_int(environ, "SLURM_LOCALID", 0), local_world_size=local_world,
                       node_rank=node, master_addr=master, master_port=port, launcher="slurm",
                       restart_count=_int(environ, "SLURM_RESTART_COUNT", 0), job_id=job_id,
-                      nodelist=nodelist)
+                      nodelist=nodelist,
+                      nodes=_int(environ, "SLURM_STEP_NUM_NODES", _int(environ, "SLURM_NNODES")))
 
 
 def detect(environ: Mapping[str, str], argv: Sequence[str] = (),

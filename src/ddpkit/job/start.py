@@ -70,8 +70,8 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
     launch = launch or RunConfig(WORKER)
     if launch.max_restarts and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume="auto")  # a restarted worker must pick up its work
-    env = detect(os.environ)
-    inside = env.launcher == "torchrun"
+    # Already a worker of a launcher (torchrun)? Not Slurm's batch script, which starts its own.
+    inside = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     gpus = torch.cuda.device_count() if cfg.accelerator != "cpu" else 0
     if cfg.accelerator == "cuda" and not gpus:
         raise ConfigError("--accelerator cuda: no CUDA device is visible here; use "
@@ -80,7 +80,7 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
     cfg = dataclasses.replace(cfg, nproc=1 if one_process else job_nproc(cfg.nproc, gpus))
     if gpus and not inside:
         check_gpu_sharing(cfg.nproc, gpus, cfg.backend)
-    world = env.world_size if inside else cfg.nproc * launch.nnodes
+    world = detect(os.environ).world_size if inside else cfg.nproc * launch.nnodes
     check_config(cfg, world, gpus > 0)
     samples = known_train_size(cfg)
     if samples is not None:

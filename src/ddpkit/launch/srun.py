@@ -7,11 +7,10 @@ at once instead, and task 0 says why (:class:`~ddpkit.errors.JobSetupError`).
 from __future__ import annotations
 
 import os
-import socket
 from typing import Mapping, Optional
 
-from ..errors import JobSetupError
-from ..slurm_env import parse_tasks_per_node
+from ..errors import ConfigError, JobSetupError
+from ..slurm_env import expand_nodelist, parse_tasks_per_node
 
 __all__ = ["step_task", "check_layout", "is_first_task"]
 
@@ -56,18 +55,23 @@ def check_layout(nnodes: int, nproc: int, environ: Mapping[str, str] = os.enviro
     raw = (environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
            or environ.get("SLURM_NTASKS_PER_NODE") or "1")
     counts = parse_tasks_per_node(raw)
-    node = int(environ.get("SLURM_NODEID", "0") or 0)
-    here = counts[min(node, len(counts) - 1)]
-    name = environ.get("SLURMD_NODENAME") or socket.gethostname()
-    if here > 1:
+    # Decided from the whole step, so every task reaches the same verdict (none is left waiting
+    # at the rendezvous for a task that stopped).
+    crowded = next((i for i, n in enumerate(counts) if n > 1), None)
+    if crowded is not None:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        try:
+            name = expand_nodelist(nodelist)[crowded] if nodelist else f"node {crowded}"
+        except (ConfigError, IndexError):
+            name = f"node {crowded}"
         raise JobSetupError(
-            f"srun started {here} tasks on {name} (tasks per node: {raw}), and each `ddpkit run` "
-            f"would start --nproc {nproc} worker(s) and join as a node of its own: run one "
-            "`ddpkit run` per node (#SBATCH --ntasks-per-node=1, as `ddpkit slurm` renders; it "
-            "starts the workers), or drop `ddpkit run` and start one task per device with "
-            "`srun python train.py`")
+            f"srun started {counts[crowded]} tasks on {name} (tasks per node: {raw}), and each "
+            f"`ddpkit run` would start --nproc {nproc} worker(s) and join as a node of its own: "
+            "run one `ddpkit run` per node (#SBATCH --ntasks-per-node=1, as `ddpkit slurm` "
+            "renders; it starts the workers), or drop `ddpkit run` and start one task per device "
+            "with `srun python train.py`")
     nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or len(counts))
     if nnodes != nodes:
         raise JobSetupError(f"ddpkit run --nnodes {nnodes}, but this srun step runs on {nodes} "
-                          f"node(s): pass --nnodes \"$SLURM_NNODES\" (or ask Slurm for "
-                          f"--nodes={nnodes})")
+                            f"node(s): pass --nnodes \"$SLURM_NNODES\" (or ask Slurm for "
+                            f"--nodes={nnodes})")
