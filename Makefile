@@ -50,7 +50,7 @@ slurm:
 	if [ $$rc -eq 1 ] && [ "$$CI" = "true" ]; then echo "error: installing slurm-wlm/munge failed (see above)" >&2; exit 1; \
 	elif [ $$rc -ne 0 ]; then echo "warning: no Slurm here; tests/test_slurm.py will be skipped" >&2; fi
 
-# Only the real-Slurm tests (about 2.5 min).
+# Only the real-Slurm tests (about 2 min).
 test-slurm: $(VENV)/.installed slurm
 	$(BIN)/python -m pytest -q tests/test_slurm.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc

@@ -18,6 +18,11 @@ tests, 0.2 s per step). Each cycle: wait for 4 steps, `scancel --batch --signal=
   checkpoint) to the first optimizer step of the resumed run (the job's own ledger).
 
 Times are wall clock on this one host (the nodes share its clock). Medians over ``--cycles``.
+
+``--time-limit``: no `scancel`; the job gets `--time=00:01:00 --requeue-grace 50` and runs about
+two minutes of steps, so Slurm itself sends SIGUSR1 before each time limit, on its own schedule
+(slurmctld checks time limits periodically); reports how often the job was requeued, when the
+signal came in each run, and that every sample was seen once per epoch over all runs.
 """
 from __future__ import annotations
 
@@ -105,17 +110,49 @@ def measure(cycles: int, workdir: Path) -> dict:
             "cred_expire_s": CRED_EXPIRE, "final_state": info.state, "restarts": info.restarts}
 
 
+def time_limit(workdir: Path) -> dict:
+    """The real time-limit path: Slurm's own SIGUSR1 before `--time` ends, requeue, resume."""
+    from test_resume import assert_every_sample_once
+
+    out = workdir / "out"
+    out.mkdir(parents=True)
+    text = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "slurm", "--nodes", "2", "--gpus-per-node", "0",
+         "--time", "00:01:00", "--requeue-grace", "50",
+         str(ROOT / "tests" / "multinode_script.py"), "--out", str(out), "--step-sleep", "3.3"],
+        capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    script = workdir / "job.sh"
+    script.write_text(text)
+    env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+           "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
+    with SlurmCluster(2, workdir=workdir / "cluster") as slurm:
+        start = time.time()
+        job = slurm.sbatch(script, "-o", str(workdir / "slurm.log"), cwd=ROOT, env=env)
+        info = slurm.wait(job, 900)
+    log = (workdir / "slurm.log").read_text(errors="replace")
+    runs = _runs(out)
+    assert_every_sample_once(str(out), 3)
+    return {"final_state": info.state, "restarts": info.restarts, "wall_s": time.time() - start,
+            "runs_started_at_step": list(runs),
+            "seconds_into_each_run_when_stopped": [
+                round(r[-1]["t"] - r[0]["t"], 1) for r in list(runs.values())[:-1]],
+            "stops": re.findall(r"stopped by (SIG\w+) at step (\d+)", log),
+            "every_sample_once_per_epoch": True}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--time-limit", action="store_true",
+                   help="let Slurm's own time-limit signal preempt the job (about 3 minutes)")
     args = p.parse_args()
     ok, why = available()
     if not ok:
         print(f"skipped: {why}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="ddpkit-slurm-bench-") as tmp:
-        result = measure(args.cycles, Path(tmp))
+        result = (time_limit(Path(tmp)) if args.time_limit else measure(args.cycles, Path(tmp)))
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

@@ -46,6 +46,8 @@ SLOW_JOB = os.path.join(HERE, "multinode_script.py")
 #: What the jobs' shells need: this Python and its `ddpkit` first on PATH.
 JOB_ENV = {"PATH": os.path.dirname(PY) + os.pathsep + os.environ.get("PATH", ""),
            "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), HERE])}
+#: Every training job here runs this many epochs of the resume tests' deterministic job.
+EPOCHS = 2
 
 
 def render(*args):
@@ -106,8 +108,8 @@ def slurm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, jobs):  # after `jobs`: computed while they run
     out = tmp_path_factory.mktemp("reference")
-    result = ddpkit.launch(resume_script.train, 2, str(out), timeout=240)
-    assert result["step"] == 3 * resume_script.SAMPLES // 8
+    result = ddpkit.launch(resume_script.train, 2, str(out), EPOCHS, timeout=240)
+    assert result["step"] == EPOCHS * resume_script.SAMPLES // 8
     return result
 
 
@@ -122,12 +124,12 @@ LAYOUT = ("import os, sys, types; pkg = types.ModuleType('ddpkit'); "
 BATCH_ONLY = """#!/bin/bash
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
-python {script} --out @OUT@
+python {script} --out @OUT@ --epochs 2
 """
 SRUN_LIBRARY = """#!/bin/bash
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
-srun python {script} --out @OUT@
+srun python {script} --out @OUT@ --epochs 2
 """
 LAYOUTS = f"""#!/bin/bash
 #SBATCH --nodes=2
@@ -145,9 +147,10 @@ def jobs(slurm, tmp_path_factory):
     """Every job of this file but the unresolvable-names one, submitted at once."""
     base = tmp_path_factory.mktemp("jobs")
     rendered = render("--nodes", "2", "--gpus-per-node", "0", "--no-requeue", RESUME,
-                      "--out", "@OUT@")
+                      "--out", "@OUT@", "--epochs", str(EPOCHS))
     preemptible = render("--nodes", "2", "--gpus-per-node", "0", "--requeue-grace", "60",
-                         SLOW_JOB, "--out", "@OUT@", "--step-sleep", "0.15")
+                         SLOW_JOB, "--out", "@OUT@", "--step-sleep", "0.15",
+                         "--epochs", str(EPOCHS))
     out = {
         "preempt": Job(slurm, base, "preempt", preemptible),
         "rendered": Job(slurm, base, "rendered", rendered),
@@ -250,7 +253,7 @@ def test_the_rendered_sbatch_trains_on_two_nodes_bitwise_like_one_node(jobs, ref
     final = torch.load(job.out / "final.pt", weights_only=True)
     assert final["step"] == reference["step"]
     assert_bitwise_equal(final["params"], reference["params"])
-    assert_every_sample_once(str(job.out), 3)
+    assert_every_sample_once(str(job.out), EPOCHS)
     assert "Traceback" not in job.output()
 
 
@@ -262,7 +265,7 @@ def test_srun_python_with_the_library_alone_forms_the_world_from_slurm(jobs, ref
     assert_bitwise_equal(final["params"], reference["params"])
     assert sorted(os.path.basename(p) for p in glob.glob(str(job.out / "ledger-*"))) == [
         "ledger-r0-a0-w2.jsonl", "ledger-r1-a0-w2.jsonl"]
-    assert_every_sample_once(str(job.out), 3)
+    assert_every_sample_once(str(job.out), EPOCHS)
 
 
 def test_every_task_sees_its_place_in_the_step_from_the_real_variables(jobs):
@@ -299,7 +302,7 @@ def test_preempted_twice_by_slurm_requeues_and_resumes_bitwise_every_sample_once
     final = torch.load(job.out / "final.pt", weights_only=True)
     assert final["step"] == reference["step"]
     assert_bitwise_equal(final["params"], reference["params"])
-    assert_every_sample_once(str(job.out), 3)
+    assert_every_sample_once(str(job.out), EPOCHS)
     runs = driver.attempts
     assert len(runs) == 3 and list(runs)[0] == 0
     # Figures (benchmarks/slurm_preempt.py measures them over several cycles).
