@@ -130,7 +130,12 @@ class SlurmCluster:
         self.net = _Nodes(nodes, self.workdir / "net", self.scratch, resolvable)
         self.daemons: Dict[str, subprocess.Popen] = {}
         self.conf = self.workdir / "slurm.conf"
+        # A socket path must fit in 107 bytes: a deep work directory gets a short one in /tmp.
         self.socket = self.workdir / "munge" / "munge.socket"
+        self._short = None
+        if len(str(self.socket)) > 100:
+            self._short = Path(tempfile.mkdtemp(prefix="ddpk-munge-"))
+            self.socket = self._short / "munge.socket"
 
     # ------------------------------------------------------------------ names
     def name(self, node: int) -> str:
@@ -168,6 +173,7 @@ class SlurmCluster:
     def _start_munge(self) -> None:
         keydir, rundir = self.workdir / "munge" / "key", self.socket.parent
         keydir.mkdir(parents=True, exist_ok=True)
+        rundir.mkdir(parents=True, exist_ok=True)
         os.chmod(keydir, 0o700)        # munged refuses a key others could read
         os.chmod(rundir, 0o755)        # and a socket directory clients cannot enter
         key = keydir / "munge.key"
@@ -255,6 +261,8 @@ class SlurmCluster:
                     pass
         self.net.close()  # kills every process left in the nodes (slurmstepd, job steps)
         atexit.unregister(self.close)
+        if self._short is not None:
+            shutil.rmtree(self._short, ignore_errors=True)
         for proc in self.daemons.values():
             try:
                 proc.wait(timeout=10)

@@ -327,8 +327,10 @@ def assert_one_line(job, text, code="2:0"):
     assert len(error_lines(log)) == 1, log[-3000:]
     assert text in error_lines(log)[0], log[-3000:]
     assert "Traceback" not in log
+    # No hang: well within any timeout (the rendezvous waits 600 s, a collective 30 min). The
+    # jobs start side by side on 2 cores; the shared-directory check looks for 10 s first.
     started, ended = (datetime.fromisoformat(info.fields[k]) for k in ("StartTime", "EndTime"))
-    assert (ended - started).total_seconds() < 60, "not at once"
+    assert (ended - started).total_seconds() < 150, f"took {ended - started}"
     return info
 
 
