@@ -41,23 +41,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from multinode_script import rounds  # noqa: E402
 from netns import wait_for  # noqa: E402
 from slurmcluster import CRED_EXPIRE, SlurmCluster, available  # noqa: E402
-
-
-def _runs(out: Path) -> dict:
-    """{start step: rank 0's ledger records} for each run of the job."""
-    runs = {}
-    for path in glob.glob(str(out / "ledger-r0-a*-w2.jsonl")):
-        step = int(re.search(r"-a(\d+)-", path).group(1))
-        records = []
-        for line in open(path):
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # the line being written right now
-                break
-        runs[step] = records
-    return dict(sorted(runs.items()))
 
 
 def _newest_ckpt(out: Path) -> float:
@@ -82,7 +68,7 @@ def measure(cycles: int, workdir: Path) -> dict:
         job = slurm.sbatch(script, "-o", str(workdir / "slurm.log"), cwd=ROOT, env=env)
         for cycle in range(cycles):
             def steps_now() -> int:
-                runs = list(_runs(out).values())
+                runs = list(rounds(out).values())
                 return len(runs[cycle]) - 1 if len(runs) > cycle else 0
             wait_for(lambda: steps_now() >= 4, 180, f"4 steps in run {cycle}")
             before = _newest_ckpt(out)
@@ -92,9 +78,9 @@ def measure(cycles: int, workdir: Path) -> dict:
             t_requeued = time.time()
             slurm.wait_for(job, lambda i: i.state == "RUNNING", 300, "running again", every=0.1)
             t_running = time.time()
-            wait_for(lambda: len(_runs(out)) > cycle + 1
-                     and len(list(_runs(out).values())[cycle + 1]) > 1, 180, "first step")
-            first_step = list(_runs(out).values())[cycle + 1][1]["t"]
+            wait_for(lambda: len(rounds(out)) > cycle + 1
+                     and len(list(rounds(out).values())[cycle + 1]) > 1, 180, "first step")
+            first_step = list(rounds(out).values())[cycle + 1][1]["t"]
             saved = _newest_ckpt(out)
             rows.append({"signal_to_checkpoint_s": saved - t_signal if saved > before else None,
                          "signal_to_requeued_s": t_requeued - t_signal,
@@ -130,7 +116,7 @@ def time_limit(workdir: Path) -> dict:
         job = slurm.sbatch(script, "-o", str(workdir / "slurm.log"), cwd=ROOT, env=env)
         info = slurm.wait(job, 900)
     log = (workdir / "slurm.log").read_text(errors="replace")
-    runs = _runs(out)
+    runs = rounds(out)
     assert_every_sample_once(str(out), 3)
     return {"final_state": info.state, "restarts": info.restarts, "wall_s": time.time() - start,
             "runs_started_at_step": list(runs),

@@ -9,7 +9,10 @@ a test time to cut a link mid-training. Run by tests/test_multinode.py on every 
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import os
+import re
 import time
 from datetime import timedelta
 
@@ -28,6 +31,26 @@ class RoundLedger(Ledger):
     def on_fit_start(self, loop):
         self.attempt = loop.state.step
         super().on_fit_start(loop)
+
+
+def rounds(out: str) -> dict:
+    """{start step: rank 0's ledger records} for each run (round) of the job, in order; a line
+    still being written is left out.
+
+    Example::
+
+        first, resumed = rounds(out).values()   # resumed[1]["t"]: when its first step ended
+    """
+    runs = {}
+    for path in glob.glob(os.path.join(str(out), "ledger-r0-a*-w*.jsonl")):
+        records = []
+        for line in open(path):
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # the line the job is writing right now
+                break
+        runs[int(re.search(r"-a(\d+)-w", path).group(1))] = records
+    return dict(sorted(runs.items()))
 
 
 class Slow(Hook):

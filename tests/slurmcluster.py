@@ -16,6 +16,7 @@ inside ``node1``'s namespace with ``SLURM_CONF`` pointing at the private configu
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import re
 import shutil
@@ -35,9 +36,9 @@ DAEMONS = ("slurmctld", "slurmd", "munged", "mungekey", "nsenter")
 CLIENTS = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 #: Seconds a requeued job waits before it may start again (Slurm's default is 120).
 CRED_EXPIRE = 5
-_available: Optional[Tuple[bool, str]] = None
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> Tuple[bool, str]:
     """``(True, "")`` when a private Slurm cluster can run here, else ``(False, why)``.
 
@@ -46,15 +47,12 @@ def available() -> Tuple[bool, str]:
         ok, why = available()
         pytestmark = pytest.mark.skipif(not ok, reason=why)
     """
-    global _available
-    if _available is None:
-        ok, why = netns.available()
-        missing = [tool for tool in DAEMONS + CLIENTS if shutil.which(tool) is None]
-        if ok and missing:
-            ok, why = False, (f"Slurm is not installed ({', '.join(missing)} missing): "
-                              "`sudo bash scripts/install_slurm.sh` (Debian's slurm-wlm and munge)")
-        _available = (ok, why)
-    return _available
+    ok, why = netns.available()
+    missing = [tool for tool in DAEMONS + CLIENTS if shutil.which(tool) is None]
+    if ok and missing:
+        return False, (f"Slurm is not installed ({', '.join(missing)} missing): "
+                       "`sudo bash scripts/install_slurm.sh` (Debian's slurm-wlm and munge)")
+    return ok, why
 
 
 @dataclass

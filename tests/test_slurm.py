@@ -19,7 +19,6 @@ otherwise. The jobs run side by side on one cluster, so the file costs about its
 import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ import torch
 
 import ddpkit
 import resume_script
+from multinode_script import rounds
 from netns import wait_for
 from slurmcluster import CRED_EXPIRE, SlurmCluster, available
 from test_resume import assert_bitwise_equal, assert_every_sample_once
@@ -79,22 +79,6 @@ class Job:
 
 def error_lines(text):
     return [line for line in text.splitlines() if "error:" in line and not line.startswith("srun:")]
-
-
-def records(path):
-    """The ledger's complete lines (the job may be writing the last one right now)."""
-    out = []
-    for line in open(path):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            break
-    return out
-
-
-def ledger_lines(out, attempt=None):
-    pattern = "ledger-r0-*" if attempt is None else f"ledger-r0-a{attempt}-*"
-    return [rec for p in glob.glob(os.path.join(out, pattern)) for rec in records(p)]
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -189,7 +173,7 @@ class Preemption(threading.Thread):
 
     def _drive(self):
         s, job, out = self.slurm, self.job, str(self.job.out)
-        wait_for(lambda: len(ledger_lines(out, 0)) >= 9, 180, "8 steps")  # start line + 8
+        wait_for(lambda: len(rounds(out).get(0, ())) >= 9, 180, "8 steps")  # start line + 8
         self.t["usr1"] = time.time()
         s.run("scancel", "--batch", "--signal=USR1", job.id)
         info = s.wait_for(job.id, lambda i: i.restarts >= 1, 120, "requeued after SIGUSR1")
@@ -201,20 +185,12 @@ class Preemption(threading.Thread):
         self.t["requeued2"] = time.time()
         self.info = s.wait(job.id, 240)
         self.t["done"] = time.time()
-        self.attempts = self._attempts()
+        self.attempts = rounds(out)
         assert info.restarts >= 1
 
-    def _attempts(self):
-        """{start step: ledger records} for each run of the job, in order."""
-        runs = {}
-        for path in glob.glob(os.path.join(str(self.job.out), "ledger-r0-a*-w2.jsonl")):
-            step = int(re.search(r"-a(\d+)-", path).group(1))
-            runs[step] = records(path)
-        return dict(sorted(runs.items()))
-
     def _resumed_steps(self, n):
-        runs = self._attempts()
-        return len(list(runs.values())[n]) - 1 if len(runs) > n else 0
+        runs = list(rounds(self.job.out).values())
+        return len(runs[n]) - 1 if len(runs) > n else 0
 
 
 # ----------------------------------------------------------------------------- the harness

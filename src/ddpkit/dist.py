@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -136,13 +137,12 @@ def check_master_resolves(env: ClusterEnv) -> None:
 
         check_master_resolves(env)   # before connecting to tcp://master:port
     """
-    import socket
-
     host = env.master_addr or ""
     try:
         socket.getaddrinfo(host, env.master_port, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError) as exc:
-        where = f"the first node of the Slurm nodelist {env.nodelist}" if env.nodelist else "MASTER_ADDR"
+        where = (f"the first node of the Slurm nodelist {env.nodelist}" if env.nodelist
+                 else "MASTER_ADDR")
         raise ConfigError(f"master host {host!r} ({where}) does not resolve on this node "
                           f"({exc.args[-1] if exc.args else exc}); export MASTER_ADDR=<its "
                           f"address> in the job script (`scontrol show node {host}` shows its "

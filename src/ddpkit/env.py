@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from .errors import ConfigError, JobSetupError
-from .slurm_env import first_host, parse_tasks_per_node, port_from_job_id
+from .slurm_env import (first_host, parse_tasks_per_node, port_from_job_id, step_id,
+                        step_tasks_per_node)
 
 __all__ = ["ClusterEnv", "detect", "spawn_env", "to_environ"]
 
@@ -130,20 +131,15 @@ def _in_slurm_step(environ: Mapping[str, str]) -> bool:
     return environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
-def _slurm_step_id(environ: Mapping[str, str]) -> Optional[str]:
-    """The srun step this process is a task of; None in the batch script itself."""
-    return environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
-
-
 def _check_not_batch_shell(environ: Mapping[str, str], world: int) -> None:
     # The batch script has SLURM_PROCID=0 and the job's SLURM_NTASKS, but it is one process:
     # adopting that world would wait for ranks nobody starts (the classic hang).
-    if world > 1 and _slurm_step_id(environ) is None:
+    if world > 1 and step_id(environ) is None:
         job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "?"
-        raise JobSetupError(f"this is the batch script of Slurm job {job}, one process, but the "
-                          f"job has {world} tasks: start the script with srun (`srun python "
-                          "train.py`, one task per device), or with `srun ddpkit run ...` (one "
-                          "task per node; `ddpkit slurm` renders that script)")
+        raise JobSetupError(f"this is the batch script of Slurm job {job}, one process, but "
+                            f"the job has {world} tasks: start the script with srun (`srun "
+                            "python train.py`, one task per device), or with `srun ddpkit run "
+                            "...` (one task per node; `ddpkit slurm` renders that script)")
 
 
 def _from_slurm(environ: Mapping[str, str]) -> ClusterEnv:
@@ -152,8 +148,7 @@ def _from_slurm(environ: Mapping[str, str]) -> ClusterEnv:
     node = _int(environ, "SLURM_NODEID", 0)
     world = _int(environ, "SLURM_STEP_NUM_TASKS", _int(environ, "SLURM_NTASKS", 1))
     _check_not_batch_shell(environ, world)
-    per_node_raw = (environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-                    or environ.get("SLURM_NTASKS_PER_NODE"))
+    per_node_raw = step_tasks_per_node(environ)
     local_world = world
     if per_node_raw:
         counts = parse_tasks_per_node(per_node_raw)
@@ -202,8 +197,8 @@ def detect(environ: Mapping[str, str], argv: Sequence[str] = (),
     if expected_world_size is not None and expected_world_size != env.world_size:
         hint = ("set --ntasks-per-node to the number of devices per node (one task per device)"
                 if env.launcher == "slurm" else "launch as many processes as requested")
-        raise JobSetupError(f"{env.launcher} started {env.world_size} process(es) but world size "
-                          f"{expected_world_size} was requested; {hint}")
+        raise JobSetupError(f"{env.launcher} started {env.world_size} process(es) but world "
+                            f"size {expected_world_size} was requested; {hint}")
     return env
 
 

@@ -18,8 +18,8 @@ __all__ = ["check_shared"]
 
 
 def check_shared(directory: Union[str, Path], num_nodes: int, wait_s: float = 10.0) -> None:
-    """On several nodes, raise :class:`~ddpkit.errors.JobSetupError` on every rank unless every rank sees what
-    rank 0 writes in ``directory``; call it on EVERY rank (a no-op on one node).
+    """On several nodes, raise :class:`~ddpkit.errors.JobSetupError` on every rank unless every
+    rank sees what rank 0 writes in ``directory``; call it on EVERY rank (a no-op on one node).
 
     A node-local directory (``/tmp``, a node's scratch disk) holds rank 0's checkpoints on one
     node only: a restarted or requeued job would resume on some ranks and not on others. Rank 0
@@ -57,7 +57,7 @@ def check_shared(directory: Union[str, Path], num_nodes: int, wait_s: float = 10
     blind = sorted({host for ok, host in seen if not ok})
     if blind:
         raise JobSetupError(f"checkpoint directory {path} is not shared between the nodes: "
-                          f"{', '.join(blind)} cannot see what rank 0 writes there on "
-                          f"{seen[0][1]}, so a restarted or requeued job could not resume from "
-                          "it; put it on a file system every node mounts (for `ddpkit train`, "
-                          "--output)")
+                            f"{', '.join(blind)} cannot see what rank 0 writes there on "
+                            f"{seen[0][1]}, so a restarted or requeued job could not resume "
+                            "from it; put it on a file system every node mounts (for `ddpkit "
+                            "train`, --output)")

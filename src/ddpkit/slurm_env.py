@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import re
 import zlib
-from typing import List, Union
+from typing import List, Mapping, Optional, Union
 
 from .errors import ConfigError
 
@@ -18,6 +18,8 @@ __all__ = [
     "first_host",
     "port_from_job_id",
     "parse_tasks_per_node",
+    "step_id",
+    "step_tasks_per_node",
 ]
 
 #: Upper bound on the hosts one nodelist may expand to (guards against typos like n[1-99999999]).
@@ -176,3 +178,26 @@ def parse_tasks_per_node(value: str) -> list[int]:
             raise ConfigError(f"bad Slurm tasks-per-node value {value!r}; expected e.g. '4' or '2(x3),1'")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
+
+
+def step_id(environ: Mapping[str, str]) -> Optional[str]:
+    """The srun step whose task this process is (``SLURM_STEP_ID``), or None: the batch script
+    itself, a login shell.
+
+    Example::
+
+        step_id({"SLURM_STEP_ID": "0"})   # '0'
+    """
+    return environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or None
+
+
+def step_tasks_per_node(environ: Mapping[str, str]) -> Optional[str]:
+    """The tasks-per-node value that describes this process's step: the step's own
+    (``srun -n 3`` on 2 nodes: ``2,1``) before the job's; None if Slurm gave none.
+
+    Example::
+
+        parse_tasks_per_node(step_tasks_per_node(os.environ) or "1")   # [2, 1]
+    """
+    return (environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+            or environ.get("SLURM_NTASKS_PER_NODE") or None)

@@ -10,7 +10,7 @@ import os
 from typing import Mapping, Optional
 
 from ..errors import ConfigError, JobSetupError
-from ..slurm_env import expand_nodelist, parse_tasks_per_node
+from ..slurm_env import expand_nodelist, parse_tasks_per_node, step_id, step_tasks_per_node
 
 __all__ = ["step_task", "check_layout", "is_first_task"]
 
@@ -23,7 +23,7 @@ def step_task(environ: Mapping[str, str] = os.environ) -> Optional[int]:
 
         step_task({"SLURM_PROCID": "3", "SLURM_STEP_ID": "0"})   # 3
     """
-    if "RANK" in environ or not (environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")):
+    if "RANK" in environ or step_id(environ) is None:
         return None
     try:
         return int(environ["SLURM_PROCID"])
@@ -52,8 +52,7 @@ def check_layout(nnodes: int, nproc: int, environ: Mapping[str, str] = os.enviro
     """
     if step_task(environ) is None:
         return
-    raw = (environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-           or environ.get("SLURM_NTASKS_PER_NODE") or "1")
+    raw = step_tasks_per_node(environ) or "1"
     counts = parse_tasks_per_node(raw)
     # Decided from the whole step, so every task reaches the same verdict (none is left waiting
     # at the rendezvous for a task that stopped).
