@@ -5,13 +5,14 @@ Model initialisation must be identical on every rank (same seed); augmentation m
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 import torch
 
-__all__ = ["seed_everything", "set_deterministic", "rng_state", "set_rng_state"]
+__all__ = ["seed_everything", "set_deterministic", "rng_state", "set_rng_state", "preserved_rng"]
 
 
 def seed_everything(seed: int, rank_offset: int = 0) -> int:
@@ -95,6 +96,23 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         index = torch.cuda.current_device()
         if index < len(state["cuda"]):
             torch.cuda.set_rng_state(state["cuda"][index].cpu())
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Run a block without moving this process's RNG streams (Python, NumPy, torch, this GPU's):
+    whatever it draws, the code after it draws what it would have drawn without it.
+
+    Example::
+
+        with preserved_rng():
+            metrics = evaluate(model, val_set)   # training's next batches are unchanged
+    """
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def _as_python_state(value: Any) -> tuple:
