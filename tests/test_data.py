@@ -256,8 +256,26 @@ def test_set_epoch():
     assert _flat(loader) == _reference(N, 2, 1, 6, seed=7)
 
 
-def test_state_dict_before_any_pass():
-    assert _loader().state_dict() == {"epoch": -1, "samples_done": 0, "world_size": 2, "seed": 7}
+def test_state_dict_names_the_epoch_the_next_batch_belongs_to():
+    loader = _loader()
+    assert loader.state_dict() == {"epoch": 0, "samples_done": 0, "world_size": 2, "seed": 7}
+    it = iter(loader)
+    batches = [next(it) for _ in range(len(loader))]  # the last batch handed out, pass not over
+    assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["samples_done"] >= N
+    assert list(it) == []                              # the pass is over: the next epoch, from 0
+    assert loader.state_dict() == {"epoch": 1, "samples_done": 0, "world_size": 2, "seed": 7}
+    assert len(batches) == len(loader)
+
+
+def test_set_epoch_keeps_a_resume_into_the_same_epoch():
+    # Scripts written for DistributedSampler call set_epoch(epoch) themselves at each epoch.
+    a = _loader(rank=1)
+    it = iter(a)
+    first = [next(it), next(it)]
+    b = _loader(rank=1)
+    b.load_state_dict(a.state_dict())
+    b.set_epoch(0)
+    assert _flat(first) + _flat(b) == _reference(N, 2, 1, 0, seed=7)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -20,6 +20,7 @@ from .evaluate import evaluate
 from .launch.spawn import launch
 from .loop import CheckpointPolicy, FitConfig, Hook, fit
 from .precision import Precision
+from .resume import Checkpointer
 from .runtime import Runtime, setup
 from .wrap import unwrap
 
@@ -36,5 +37,5 @@ from .version import __version__  # noqa: E402  isort: skip
 
 __all__ = [
     "setup", "Runtime", "launch", "fit", "FitConfig", "CheckpointPolicy", "Hook", "Precision",
-    "Accumulator", "evaluate", "unwrap", "DDPKitError", "ConfigError", "__version__",
+    "Checkpointer", "Accumulator", "evaluate", "unwrap", "DDPKitError", "ConfigError", "__version__",
 ]

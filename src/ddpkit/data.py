@@ -16,8 +16,13 @@ from .env import ClusterEnv
 from .errors import ConfigError
 from .resident import ResidentData, batches_in, choose_resident, resident_batches
 
+try:
+    import numpy as _numpy
+except ImportError:  # NumPy is optional
+    _numpy = None
+
 __all__ = ["per_rank_batch_size", "ResumableSampler", "ShardSampler", "DistributedLoader",
-           "make_loader", "worker_seed"]
+           "make_loader", "worker_seed", "sample_seed"]
 
 
 def per_rank_batch_size(global_batch: int, world_size: int) -> int:
@@ -137,6 +142,53 @@ class _WorkerInit:
             pass
 
 
+def sample_seed(base_seed: int, epoch: int, index: int) -> int:
+    """Seed for drawing one sample's augmentation in a loader worker: a function of the run's
+    seed, the epoch and the sample alone, so a resumed run (or another world size) draws the
+    same for it, whichever worker fetches it and whatever that worker fetched before.
+
+    Example::
+
+        sample_seed(0, epoch=3, index=17)
+    """
+    return (base_seed * 1_000_003 + epoch * 7_919 + index * 104_729 + 1) % (2 ** 63)
+
+
+class _EpochTagged(Sampler[int]):
+    """The sampler's indices tagged with the epoch (``epoch * n + i``) for :class:`_SeededSamples`."""
+
+    def __init__(self, sampler: ResumableSampler, length: int) -> None:
+        self.sampler, self.length = sampler, length
+
+    def __iter__(self) -> Iterator[int]:
+        base = self.sampler.epoch * self.length
+        return (base + i for i in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class _SeededSamples(Dataset):
+    """In a worker, seeds torch, ``random`` and NumPy from :func:`sample_seed` before fetching
+    each sample: a worker's streams otherwise depend on everything it fetched before, which a
+    resumed run (new workers, started mid-epoch) cannot replay."""
+
+    def __init__(self, dataset: Dataset, seed: int, length: int) -> None:
+        self.dataset, self.seed, self.length = dataset, seed, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, tagged: int) -> Any:
+        epoch, index = divmod(int(tagged), self.length)
+        s = sample_seed(self.seed, epoch, index)
+        torch.manual_seed(s)
+        random.seed(s)
+        if _numpy is not None:
+            _numpy.random.seed(s % (2 ** 32))
+        return self.dataset[index]
+
+
 class DistributedLoader:
     """A DataLoader over this rank's share of the data whose every pass is the next epoch.
 
@@ -164,6 +216,8 @@ class DistributedLoader:
         self._skip_samples = 0   # global samples of this epoch skipped at the start of the pass
         self._resume: Optional[Dict[str, int]] = None
         self._loader: Optional[DataLoader] = None
+        self._generator = torch.Generator()
+        self._finished = False   # the pass ran to its end (the next pass is the next epoch)
         self.pass_batches = len(self)  # batches in the pass in progress (less after a resume)
 
     def __len__(self) -> int:
@@ -172,14 +226,22 @@ class DistributedLoader:
                           self.loader_kwargs.get("drop_last", False))
 
     def _dataloader(self) -> DataLoader:
+        # The iterator's base seed comes from a generator of the loader's own, seeded by
+        # (seed, rank, epoch): drawn from the global RNG it would shift every later draw of a
+        # resumed run (augmentation in __getitem__, dropout) against the uninterrupted one.
+        self._generator.manual_seed(worker_seed(self.seed, self.rank, 0, self.epoch))
         if self._loader is not None:
             return self._loader
-        # Workers are seeded by (seed, rank, worker id, epoch). Persistent workers (the default
-        # when num_workers > 0) are seeded once and keep their streams across epochs; the
-        # sampler always runs in this process, so set_epoch reaches it either way.
-        loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler,
+        # With workers, each sample is drawn from its own seed (see _SeededSamples); the
+        # sampler always runs in this process, so set_epoch reaches it either way, and
+        # persistent workers (the default when num_workers > 0) keep serving later epochs.
+        workers = self.loader_kwargs.get("num_workers", 0) > 0
+        n = len(self.dataset)  # type: ignore[arg-type]
+        loader = DataLoader(_SeededSamples(self.dataset, self.seed, n) if workers else self.dataset,
+                            batch_size=self.batch_size,
+                            sampler=_EpochTagged(self.sampler, n) if workers else self.sampler,
                             worker_init_fn=_WorkerInit(self.seed, self.rank, self.epoch),
-                            **self.loader_kwargs)
+                            generator=self._generator, **self.loader_kwargs)
         if self.loader_kwargs.get("persistent_workers"):
             self._loader = loader
         return loader
@@ -190,7 +252,7 @@ class DistributedLoader:
             self._resume = None
         else:
             self.epoch, self._skip_samples = self.epoch + 1, 0
-        self.batches_done = 0
+        self.batches_done, self._finished = 0, False
         self.sampler.set_epoch(self.epoch)
         self.sampler.skip(self._samples_done)
         drop = self.loader_kwargs.get("drop_last", False)
@@ -201,14 +263,19 @@ class DistributedLoader:
         for batch in batches:
             self.batches_done += 1
             yield batch
+        self._finished = True
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch ``epoch``, from its start.
+        """Make the next pass epoch ``epoch``, from its start; a resume into that same epoch
+        keeps its place (a loop that calls ``set_epoch`` itself, like a script written for
+        ``DistributedSampler``, still continues mid-epoch).
 
         Example::
 
             loader.set_epoch(5)
         """
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            return
         self._resume = {"epoch": epoch, "samples_done": 0}
 
     @property
@@ -221,13 +288,20 @@ class DistributedLoader:
         return self._skip_samples + self.batches_done * self.batch_size * self.sampler.num_replicas
 
     def state_dict(self) -> Dict[str, int]:
-        """Position in the data: the epoch in progress and the samples consumed in it, globally.
+        """Position in the data: the epoch the next batch belongs to and the samples of it
+        already consumed, globally (a finished pass: the next epoch, from 0).
 
         Example::
 
             state = loader.state_dict()   # {'epoch': 2, 'samples_done': 2176, ...}
         """
-        return {"epoch": self.epoch, "samples_done": self._samples_done,
+        if self._resume is not None:
+            epoch, done = self._resume["epoch"], self._resume["samples_done"]
+        elif self._finished or self.epoch < 0:
+            epoch, done = self.epoch + 1, 0
+        else:
+            epoch, done = self.epoch, self._samples_done
+        return {"epoch": epoch, "samples_done": done,
                 "world_size": self.sampler.num_replicas, "seed": self.seed}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
@@ -17,23 +16,17 @@ from torch import nn
 
 from . import comm
 from .accumulate import Accumulator
-from .checkpoint import save_checkpoint
 from .batches import (batch_size_of, channels_last, cross_entropy, forward, logits_of,
                       step_sums, targets_of, to_device)
 from .data import DistributedLoader
 from .errors import ConfigError, DDPKitError
 from .log import RunLogger, format_epoch, progress
 from .precision import Precision
-from .resume import TrainState, restore, run_state
+from .resume import Checkpointer, TrainState
 from .runtime import Runtime
-from .shared_dir import check_shared
-from .sharded import is_sharded, save_shards
-from .wrap import unwrap
-from .stops import StopRequested, signal_name
+from .stops import StopRequested
 
 __all__ = ["TrainState", "CheckpointPolicy", "FitConfig", "Hook", "fit"]
-
-_STOP_CALIBRATION = 20  # the optimizer step at which the ranks settle how often to ask
 
 
 @dataclass
@@ -135,52 +128,60 @@ class _Fit:
         self.state = TrainState()
         self.logger: Optional[RunLogger] = cfg.logger
         self.ckpt: Optional[CheckpointPolicy] = cfg.checkpoint
+        self.checkpoints: Optional[Checkpointer] = None  # opened by run(): it may resume
         self.loss_fn: Callable[..., torch.Tensor] = cfg.loss_fn or cross_entropy
-        self.resumed_mid_epoch = False
         self._step_gives_sums = True  # a step returning a bare loss is not used to evaluate
         self.start_position = (0, 0)   # (epoch, global samples done in it) where this run starts
-        self._epoch_done = False
-        self._last_ckpt_time = time.monotonic()
-        self._started, self._first_step, self._stop_every = time.monotonic(), 0, 1
+        # This optimizer step's [loss sum, samples] over its micro-batches, on the device; the
+        # reduction over ranks runs behind backward on the steps whose loss someone reads.
+        self._window = torch.zeros(2, dtype=torch.float64, device=rt.device)
+        self._pending: Any = None
 
     # ------------------------------------------------------------------ checkpoints
+    def _open_checkpoints(self) -> Checkpointer:
+        """The run's :class:`Checkpointer` (also without a policy: it turns SIGTERM into a stop)."""
+        p = self.ckpt
+        best = {"best": None, "best_epoch": None}
+        ckpt = Checkpointer(
+            self.rt, p.directory if p else None, model=self.model, optimizer=self.optimizer,
+            scheduler=self.cfg.scheduler, precision=self.precision, loader=self.loader,
+            extra={"history": self.state.history, "best": best}, every_epoch=False,
+            every_steps=p.every_steps if p else 0, every_minutes=p.every_minutes if p else 0.0,
+            keep=p.keep if p else 3, resume=p.resume if p else None, config=self.cfg.config)
+        if ckpt.resumed:
+            best = ckpt.extra["best"]
+            self.state = TrainState(ckpt.epoch, ckpt.global_step, best["best"], best["best_epoch"],
+                                    list(ckpt.extra.get("history", [])))
+            ckpt.extra["history"] = self.state.history
+        self.start_position = (ckpt.epoch, self.loader.state_dict()["samples_done"])
+        self.checkpoints = ckpt
+        return ckpt
+
     def save(self) -> Optional[Any]:
-        if self.ckpt is None:
-            return None
-        shards = None
-        if is_sharded(unwrap(self.model)):  # every rank writes its shard first
-            shards = save_shards(self.model, self.optimizer, Path(self.ckpt.directory),
-                                 self.state.step)
-        path = save_checkpoint(self.run_state(shards), self.ckpt.directory, self.state.step,
-                               self.ckpt.keep)
-        self._last_ckpt_time = time.monotonic()
-        return path
-
-    run_state = run_state
-    restore = restore
-
-    def _checkpoint_due(self) -> bool:
-        if self.ckpt is None:
-            return False
-        due = bool(self.ckpt.every_steps) and self.state.step % self.ckpt.every_steps == 0
-        if self.ckpt.every_minutes > 0:
-            # Rank 0's clock decides, so all ranks enter the (collective) save together.
-            late = time.monotonic() - self._last_ckpt_time >= 60 * self.ckpt.every_minutes
-            due = due or bool(comm.broadcast_object(late))
-        return due
+        return self.checkpoints.save() if self.checkpoints is not None else None
 
     # ------------------------------------------------------------------ training
     def _forward_backward(self, batch: Any, last: bool) -> torch.Tensor:
         batch = to_device(batch, self.rt.device)
         if self.cfg.channels_last:
             batch = channels_last(batch)
+        boundary = self.acc.is_boundary(last)
         with self.acc.micro_step(last=last):
             with self.precision.autocast():
                 loss = self._loss(batch)
             if self._check_every_micro_step:
                 self._check_finite(loss.detach())
+            self._window += torch.stack([loss.detach().double() * batch_size_of(batch),
+                                         self._window.new_tensor(batch_size_of(batch))])
+            if boundary and self._loss_read(self.state.step + 1):
+                self._pending = self.rt.engine.start_all_reduce(self._window)
             self.acc.backward(loss)
         return loss.detach()
+
+    def _loss_read(self, step: int) -> bool:
+        # The same answer on every rank (the reduction is a collective): logging steps, and
+        # every step when hooks are given the metrics.
+        return step % self.cfg.log_every == 0 or bool(self.cfg.hooks)
 
     def _loss(self, batch: Any) -> torch.Tensor:
         """This micro-batch's training loss: the user's ``step``, the model's own ``.loss``
@@ -218,10 +219,7 @@ class _Fit:
         return value
 
     def train_epoch(self) -> Dict[str, float]:
-        self._epoch_done = False
-        if not self.resumed_mid_epoch:
-            self.loader.set_epoch(self.state.epoch)
-        self.resumed_mid_epoch = False
+        self.loader.set_epoch(self.state.epoch)  # a resume into this epoch keeps its place
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.rt.device)  # no per-step sync
         seen, start = 0, time.perf_counter()
@@ -239,57 +237,36 @@ class _Fit:
                 if self._stop():
                     break
         bar.close()
-        self._epoch_done = self.loader.at_last_batch  # False when max_steps cut the epoch short
         return self._epoch_metrics(loss_sum, seen, time.perf_counter() - start)
 
     def _after_optimizer_step(self, loss_t: torch.Tensor, bar: Any) -> None:
-        log_now = self.logger is not None and (self.state.step + 1) % self.cfg.log_every == 0
-        shown = getattr(bar, "disable", True) is False
-        # The loss is read (a device sync on GPUs) only when someone looks at it.
-        loss = (self._check_finite(loss_t) if log_now or shown or self.cfg.hooks
-                or self._check_every_micro_step else float("nan"))
-        self.state.step += 1
+        step = self.state.step + 1
+        log_now = self.logger is not None and step % self.cfg.log_every == 0
+        loss = self._mean_loss()  # over ranks and micro-batches; nan on steps nobody reads
+        self._window.zero_()
+        if self._check_every_micro_step or log_now or self.cfg.hooks:
+            self._check_finite(loss_t)
+        self.state.step = step
         if self.cfg.scheduler is not None and self.cfg.scheduler_interval == "step":
             self.cfg.scheduler.step()
         metrics = {"train/loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.acc.grad_norm is not None:
             metrics["train/grad_norm"] = self.acc.grad_norm
-        if shown:
+        if getattr(bar, "disable", True) is False and math.isfinite(loss):
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.3g}")
         if log_now:
-            self.logger.log(metrics, self.state.step)
+            self.logger.log(metrics, step)
         for hook in self.cfg.hooks:
             hook.on_step_end(self, metrics)
-        self.rt.progress.step(self.state.step)  # read by the other ranks if a collective hangs
-        due = self._checkpoint_due()  # the same on every rank (save returns a path on rank 0)
-        saved = self.save() if due else None
-        signum = self.rt.stops.poll(self.rt.engine) if self._stop_question_due() else None
-        if signum is not None:
-            self._stop_for(signum, due, saved)
+        # counts the step for hang reports, saves when due, stops every rank on SIGTERM
+        self.checkpoints.step(step)
 
-    def _stop_question_due(self) -> bool:
-        # Every rank asks at the same steps, so all stop after the same one: every step at
-        # first, then about every 0.25 s by rank 0's measure of the step time (the question
-        # costs ~0.3-0.4 ms on gloo, on a side group of CPU numbers: no device sync).
-        step = self.state.step
-        if step == self._first_step + _STOP_CALIBRATION and self.rt.stops.installed:
-            per_step = (time.monotonic() - self._started) / max(1, step - self._first_step)
-            self._stop_every = int(comm.broadcast_object(max(1, round(0.25 / per_step))))
-        return step % self._stop_every == 0
-
-    def _stop_for(self, signum: int, saved_now: bool, saved: Optional[Any] = None) -> None:
-        # SIGTERM / SIGUSR1 (preemption): keep the work, then leave with 128 + the signal.
-        self.rt.stops.settle()
-        if not saved_now:
-            saved = self.save()
-        waited = time.monotonic() - (self.rt.stops.received_at or time.monotonic())
-        what = (f"checkpoint {saved} saved {waited:.1f} s after the signal" if saved else
-                "no checkpoint policy: nothing saved")
-        comm.print0(f"stopped by {signal_name(signum)} at step {self.state.step} (epoch "
-                    f"{self.state.epoch + 1}): {what}")
-        if self.logger is not None:
-            self.logger.close()
-        raise StopRequested(signum)
+    def _mean_loss(self) -> float:
+        if self._pending is None:
+            return float("nan")
+        total, count = self._pending.tensor_result().tolist()
+        self._pending = None
+        return total / max(count, 1.0)
 
     def _stop(self) -> bool:
         return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
@@ -317,19 +294,17 @@ class _Fit:
 
     def run(self) -> TrainState:
         with self.rt.stops.graceful():  # SIGTERM / SIGUSR1 stop after a step, with a checkpoint
-            state = self._run()
-            # A signal during the last steps or the final evaluation: still a stop (not on
-            # errors: the answer may never come).
-            signum = self.rt.stops.ask_now(self.rt.engine)
-            if signum is not None:
-                self._stop_for(signum, saved_now=False)
-            return state
+            # On leaving without an error, a signal during the last steps or the final
+            # evaluation is still a stop (not on errors: the answer may never come).
+            with self._open_checkpoints():
+                try:
+                    return self._run()
+                except StopRequested:
+                    if self.logger is not None:
+                        self.logger.close()
+                    raise
 
     def _run(self) -> TrainState:
-        if self.ckpt is not None:  # several nodes: all of them must see the checkpoints
-            check_shared(self.ckpt.directory, self.rt.env.num_nodes)
-        self.restore()
-        self._started, self._first_step = time.monotonic(), self.state.step
         for hook in self.cfg.hooks:
             hook.on_fit_start(self)
         while self.state.epoch < self.cfg.epochs and not self._stop():
@@ -372,6 +347,8 @@ class _Fit:
         if value is not None and (self.state.best is None or value > self.state.best):
             self.state.best, self.state.best_epoch = value, self.state.epoch
             metrics["best"] = value
+            if self.checkpoints is not None:
+                self.checkpoints.extra["best"] = {"best": value, "best_epoch": self.state.epoch}
 
 
 def fit(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,

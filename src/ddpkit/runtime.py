@@ -25,6 +25,7 @@ from .dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from .env import ClusterEnv
 from .evaluate import evaluate
 from .hangs import Progress
+from .resume import Checkpointer
 from .seed import seed_everything, set_deterministic
 from .stops import Stops
 from .wrap import WrapOptions, compile_model, unwrap
@@ -139,6 +140,21 @@ class Runtime:
             opt = rt.optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
         """
         return self.engine.optimizer(optimizer, model, accum_steps, compression)
+
+    def checkpointer(self, directory: Optional[str], *, model: nn.Module, **parts: Any) -> Checkpointer:
+        """Exact save and resume for your own loop; see :class:`~ddpkit.resume.Checkpointer`.
+        Resumes at once when ``resume`` (default ``"auto"``) finds a checkpoint in ``directory``.
+
+        Example::
+
+            ckpt = rt.checkpointer("runs/x/ckpt", model=model, optimizer=opt, loader=loader,
+                                   every_steps=100)
+            for epoch in range(ckpt.epoch, 10):
+                for x, y in loader:
+                    ...; opt.step()
+                    ckpt.step()       # saves when due; saves and stops on SIGTERM / SIGUSR1
+        """
+        return Checkpointer(self, directory, model=model, **parts)
 
     print0 = staticmethod(comm.print0)
     barrier = staticmethod(comm.barrier)

@@ -177,6 +177,22 @@ class Engine:
         work = tdist.all_reduce(tensor, op=_TORCH_OPS[op], group=side, async_op=True)
         return Reduction(work, tensor, self.world_size() if op == "mean" else 1)
 
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> "Reduction":
+        """Start reducing a float64 tensor across ranks on the main group without waiting (on
+        the tensor's device: no device sync); ``.tensor_result()`` waits and gives it.
+
+        Example::
+
+            pending = engine.start_all_reduce(torch.tensor([loss_sum, count]))
+            ...                                      # backward, optimizer step
+            loss_sum, count = pending.tensor_result().tolist()
+        """
+        if not self._group():
+            return Reduction(None, tensor)
+        work = tensor.detach().to(self._comm_device(), copy=True)
+        handle = tdist.all_reduce(work, op=_TORCH_OPS[op], async_op=True)
+        return Reduction(handle, work, self.world_size() if op == "mean" else 1)
+
     def all_gather_object(self, obj: Any) -> List[Any]:
         """Every rank's object, in rank order."""
         if not self._group():
@@ -210,7 +226,11 @@ class Reduction:
 
     def result(self) -> float:
         """Wait for the reduction; its value."""
+        return float(self.tensor_result().item())
+
+    def tensor_result(self) -> torch.Tensor:
+        """Wait for the reduction; the reduced tensor."""
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return float(self.tensor.item()) / self.divide
+        return self.tensor / self.divide if self.divide != 1 else self.tensor

@@ -226,6 +226,9 @@ class HorovodEngine(Engine):
         return Reduction(None, self.all_reduce(torch.tensor([float(value)], dtype=torch.float64),
                                                op))
 
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Reduction:
+        return Reduction(None, self.all_reduce(tensor, op))
+
     def all_gather_object(self, obj: Any) -> List[Any]:
         return list(self._module().allgather_object(obj))
 

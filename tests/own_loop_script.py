@@ -1,0 +1,164 @@
+"""A script that keeps its own training loop, shaped like real ones, with exact resume by
+``rt.checkpointer``: augmentation that draws from the global RNGs (torch, random, NumPy) in
+``__getitem__``, DataLoader workers, dropout, a per-step schedule, gradient accumulation with
+``no_sync``, evaluation in the middle of training, and a per-sample ledger.
+
+Run by tests/test_own_loop.py under `ddpkit run` (also with --max-restarts and a kill -9):
+
+    ddpkit run --nproc 2 --max-restarts 1 tests/own_loop_script.py --out DIR --workers 2 \\
+        --kill-rank 1 --kill-step 7
+    ddpkit run --nproc 2 tests/own_loop_script.py --out DIR --fit     # the same under ddpkit.fit
+"""
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import ddpkit
+
+SAMPLES, FEATURES, CLASSES = 90, 8, 3  # 90 on 2 ranks x 8: an uneven last batch, padding
+
+
+class Augmented(Dataset):
+    """Fixed data, augmented in __getitem__ from the global RNGs, like torchvision transforms."""
+
+    def __init__(self, n=SAMPLES, seed=123):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, FEATURES, generator=g)
+        self.y = torch.randint(0, CLASSES, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        x = self.x[i] + 0.1 * torch.rand(FEATURES)             # torch's global RNG
+        if random.random() < 0.5:                              # Python's
+            x = x.flip(0)
+        x = x * float(np.random.uniform(0.9, 1.1))             # NumPy's
+        return x, self.y[i], i
+
+
+class Ledger:
+    """Per rank and attempt: where the run started, then every batch's sample indices."""
+
+    def __init__(self, out, rank, attempt, world, start):
+        name = f"ledger-r{rank}-a{attempt}-w{world}.jsonl"
+        self.file = open(os.path.join(out, name), "w", buffering=1)
+        self.write({"start": list(start), "t": time.time()})
+
+    def write(self, record):
+        self.file.write(json.dumps(record) + "\n")
+        os.fsync(self.file.fileno())
+
+
+def build(rt):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, CLASSES))
+    model = rt.wrap(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    return model, opt, sched
+
+
+def own_loop(rt, args):
+    model, opt, sched = build(rt)
+    loader = rt.loader(Augmented(), batch_size=8, seed=7, num_workers=args.workers)
+    val_set = Augmented(n=40, seed=5)
+    ckpt = rt.checkpointer(os.path.join(args.out, "ckpt"), model=model, optimizer=opt,
+                           scheduler=sched, loader=loader, every_steps=args.every, keep=2,
+                           extra={"evals": []})
+    ledger = Ledger(args.out, rt.rank, rt.env.restart_count, rt.world_size,
+                    (ckpt.epoch, loader.state_dict()["samples_done"]))
+    for epoch in range(ckpt.epoch, args.epochs):
+        loader.set_epoch(epoch)  # as scripts written for DistributedSampler do: harmless here
+        model.train()
+        for i, (x, y, idx) in enumerate(loader):
+            ledger.write({"epoch": loader.epoch, "pos": loader.state_dict()["samples_done"],
+                          "idx": idx.tolist()})
+            x, y = rt.to_device(x, y)
+            last = (i + 1) % args.accum == 0 or loader.at_last_batch
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = nn.functional.cross_entropy(model(x), y) / args.accum
+                loss.backward()
+            if not last:
+                continue
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            ckpt.step()
+            maybe_kill(rt, args, ckpt.global_step)
+            if args.eval_every and ckpt.global_step % args.eval_every == 0:
+                ckpt.extra["evals"].append(rt.evaluate(model, val_set, topk=(1,))["loss"])
+                model.train()
+    ckpt.close()
+    return model, ckpt.global_step, ckpt.extra["evals"]
+
+
+def maybe_kill(rt, args, step):
+    if rt.env.restart_count == 0 and rt.rank == args.kill_rank and step == args.kill_step:
+        os.kill(os.getpid(), getattr(signal, args.signal))
+        if args.signal != "SIGKILL":
+            time.sleep(0.5)  # let the handler run before the next step polls
+
+
+class _LedgerHook(ddpkit.Hook):
+    def __init__(self, args):
+        self.args, self.ledger = args, None
+
+    def on_fit_start(self, loop):
+        self.ledger = Ledger(self.args.out, loop.rt.rank, loop.rt.env.restart_count,
+                             loop.rt.world_size, loop.start_position)
+
+    def on_batch_end(self, loop, batch):
+        self.ledger.write({"epoch": loop.loader.epoch,
+                           "pos": loop.loader.state_dict()["samples_done"],
+                           "idx": batch[2].tolist()})
+
+    def on_step_end(self, loop, metrics):
+        maybe_kill(loop.rt, self.args, loop.state.step)
+
+
+def with_fit(rt, args):
+    model, opt, sched = build(rt)
+    loader = rt.loader(Augmented(), batch_size=8, seed=7, num_workers=args.workers)
+    state = ddpkit.fit(
+        rt, model, opt, loader, epochs=args.epochs, scheduler=sched, scheduler_interval="step",
+        accum_steps=args.accum, progress=False, hooks=[_LedgerHook(args)],
+        step=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+        checkpoint=ddpkit.CheckpointPolicy(os.path.join(args.out, "ckpt"),
+                                           every_steps=args.every, keep=2, resume="auto"))
+    return model, state.step, []
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--every", type=int, default=3, help="checkpoint every N optimizer steps")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--signal", default="SIGKILL")
+    p.add_argument("--fit", action="store_true", help="train with ddpkit.fit instead")
+    args = p.parse_args()
+    rt = ddpkit.setup(seed=0, deterministic=True)
+    model, steps, evals = (with_fit if args.fit else own_loop)(rt, args)
+    if rt.is_main:
+        params = [p.detach().cpu().clone() for p in rt.unwrap(model).parameters()]
+        torch.save({"params": params, "step": steps, "evals": evals},
+                   os.path.join(args.out, "final.pt"))
+    rt.shutdown()
+
+
+if __name__ == "__main__":
+    main()
