@@ -75,7 +75,7 @@ def own_loop(rt, args):
     ckpt = rt.checkpointer(os.path.join(args.out, "ckpt"), model=model, optimizer=opt,
                            scheduler=sched, loader=loader, every_steps=args.every, keep=2,
                            extra={"evals": []})
-    ledger = Ledger(args.out, rt.rank, rt.env.restart_count, rt.world_size,
+    ledger = Ledger(args.out, rt.rank, attempt(rt, args), rt.world_size,
                     (ckpt.epoch, loader.state_dict()["samples_done"]))
     for epoch in range(ckpt.epoch, args.epochs):
         loader.set_epoch(epoch)  # as scripts written for DistributedSampler do: harmless here
@@ -102,8 +102,12 @@ def own_loop(rt, args):
     return model, ckpt.global_step, ckpt.extra["evals"]
 
 
+def attempt(rt, args):
+    return rt.env.restart_count if args.attempt is None else args.attempt
+
+
 def maybe_kill(rt, args, step):
-    if rt.env.restart_count == 0 and rt.rank == args.kill_rank and step == args.kill_step:
+    if attempt(rt, args) == 0 and rt.rank == args.kill_rank and step == args.kill_step:
         os.kill(os.getpid(), getattr(signal, args.signal))
         if args.signal != "SIGKILL":
             time.sleep(0.5)  # let the handler run before the next step polls
@@ -114,7 +118,7 @@ class _LedgerHook(ddpkit.Hook):
         self.args, self.ledger = args, None
 
     def on_fit_start(self, loop):
-        self.ledger = Ledger(self.args.out, loop.rt.rank, loop.rt.env.restart_count,
+        self.ledger = Ledger(self.args.out, loop.rt.rank, attempt(loop.rt, self.args),
                              loop.rt.world_size, loop.start_position)
 
     def on_batch_end(self, loop, batch):
@@ -149,6 +153,7 @@ def main():
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--signal", default="SIGKILL")
+    p.add_argument("--attempt", type=int, default=None, help="default: the restart count")
     p.add_argument("--fit", action="store_true", help="train with ddpkit.fit instead")
     args = p.parse_args()
     rt = ddpkit.setup(seed=0, deterministic=True)

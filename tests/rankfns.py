@@ -163,3 +163,33 @@ def hook_one_step(hook: str):
     sl = slice(rt.rank * per, (rt.rank + 1) * per)
     nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
     return [p.grad.clone() for p in rt.unwrap(model).parameters()]
+
+
+class _LossSeen(ddpkit.Hook):
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, loop, metrics):
+        self.seen.append(metrics["train/loss"])
+
+
+def fit_reported_loss(accum: int):
+    """What a Hook and the metrics log receive as train/loss, beside every micro-batch's local
+    (loss, samples) on this rank: an uneven dataset (the last batch is smaller on one rank)."""
+    rt = ddpkit.setup(seed=0)
+    model = rt.wrap(tiny_model())
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(22, 8, generator=g),
+                                          torch.randint(0, 3, (22,), generator=g))
+    local = []
+
+    def loss_fn(logits, y):
+        loss = nn.functional.cross_entropy(logits, y)
+        local.append((float(loss), len(y)))
+        return loss
+
+    hook = _LossSeen()
+    ddpkit.fit(
+        rt, model, torch.optim.SGD(model.parameters(), lr=0.1), rt.loader(data, 8, shuffle=False),
+        epochs=1, loss_fn=loss_fn, accum_steps=accum, hooks=[hook], progress=False)
+    return {"seen": comm.gather_object(hook.seen), "local": comm.gather_object(local)}

@@ -164,3 +164,16 @@ def test_ranks_leaving_right_after_a_collective_exit_cleanly():
             _, err = proc.communicate(timeout=120)
             assert proc.returncode == 0 and "terminate called" not in err, \
                 f"attempt {attempt}, rank {rank} exited with {proc.returncode}: {err[-2000:]}"
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_hooks_get_the_loss_as_the_mean_over_ranks_and_micro_batches(accum):
+    out = ddpkit.launch(rankfns.fit_reported_loss, 2, accum, timeout=120)
+    seen, local = out["seen"], out["local"]  # per rank: each step's reported loss; each
+    assert seen[0] == seen[1]                # micro-batch's (local mean loss, samples)
+    assert len(seen[0]) == -(-3 // accum)    # 22 samples, 4 a rank a step: 3 micro-batches
+    for step, reported in enumerate(seen[0]):
+        micro = [pair for rank in local for pair in rank[step * accum:(step + 1) * accum]]
+        expected = sum(loss * n for loss, n in micro) / sum(n for _, n in micro)
+        assert reported == pytest.approx(expected, rel=1e-6)
+    assert local[0][0][0] != pytest.approx(local[1][0][0])  # rank 0 alone would be another number
