@@ -23,11 +23,16 @@ from torch import nn
 
 from .errors import ConfigError
 
-__all__ = ["to_device", "channels_last", "batch_size_of", "forward", "logits_of", "targets_of", "cross_entropy",
-           "loss_sum", "topk_hits", "step_sums", "IGNORE_INDEX", "aligned"]
+__all__ = ["to_device", "channels_last", "batch_size_of", "forward", "logits_of", "targets_of",
+           "cross_entropy", "is_regression", "regression_pair", "default_loss", "loss_sum",
+           "topk_hits", "step_sums", "step_outputs", "sum_count", "IGNORE_INDEX", "STEP_OUTPUTS",
+           "aligned"]
 
 #: Targets equal to this are padding: no loss, no count (PyTorch's and Hugging Face's default).
 IGNORE_INDEX = -100
+
+#: Keys a ``step`` may add beside its sums: the batch's outputs and targets, for ``metrics=``.
+STEP_OUTPUTS = ("outputs", "targets")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -173,6 +178,53 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     return F.cross_entropy(flat_logits, flat_targets, ignore_index=ignore_index)
 
 
+def is_regression(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Are these a regression's outputs and targets? Yes when the targets are floating point and
+    both shapes agree once a trailing 1 is dropped: ``(B,)`` or ``(B, 1)`` outputs against
+    ``(B,)`` targets, ``(B, k)`` against ``(B, k)``. Integer targets with ``(*, classes)``
+    logits are a classification. (A single-logit binary classifier with float 0/1 targets
+    counts as a regression too: give it its ``loss_fn``.)
+
+    Example::
+
+        is_regression(torch.randn(8, 1), torch.randn(8))              # True
+        is_regression(torch.randn(8, 3), torch.randint(0, 3, (8,)))   # False
+    """
+    return targets.is_floating_point() and _squeezed(outputs.shape) == _squeezed(targets.shape)
+
+
+def _squeezed(shape: torch.Size) -> Tuple[int, ...]:
+    return tuple(shape[:-1]) if len(shape) and shape[-1] == 1 else tuple(shape)
+
+
+def regression_pair(outputs: torch.Tensor,
+                    targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A regression's outputs shaped like its targets, both in the outputs' precision (at least
+    float32): ``(B, 1)`` against ``(B,)`` would otherwise broadcast to ``(B, B)`` in
+    ``F.mse_loss``, with only a warning.
+
+    Example::
+
+        pred, y = regression_pair(model(x), y)   # (B, 1), (B,) float64 -> (B,), (B,) float32
+    """
+    dtype = torch.promote_types(outputs.dtype, torch.float32)
+    return outputs.reshape(targets.shape).to(dtype), targets.to(dtype)
+
+
+def default_loss(outputs: torch.Tensor, targets: torch.Tensor,
+                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The loss when none is given: mean squared error for a regression (see
+    :func:`is_regression`), else :func:`cross_entropy` over logits of any shape.
+
+    Example::
+
+        loss = default_loss(model(x), y)   # float y (B,), outputs (B, 1): MSE; int y: cross-entropy
+    """
+    if is_regression(outputs, targets):
+        return F.mse_loss(*regression_pair(outputs, targets))
+    return cross_entropy(outputs, targets, ignore_index)
+
+
 def _takes_reduction(fn: Callable[..., Any]) -> bool:
     try:
         return "reduction" in inspect.signature(fn).parameters
@@ -187,24 +239,35 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor,
     """(sum of the loss, number of targets that count) for one batch, both on the device.
 
     Without ``loss_fn``: cross-entropy summed over the positions whose target is not
-    ``ignore_index``. A ``loss_fn`` that takes ``reduction=`` (like ``F.cross_entropy``) is asked
-    for the sum; any other (a lambda, ``nn.CrossEntropyLoss()``) is taken as a mean over the
-    counted targets.
+    ``ignore_index``, or for a regression (:func:`is_regression`) squared errors summed over
+    every target value. A ``loss_fn`` that takes ``reduction=`` (like ``F.cross_entropy``) is
+    asked for the sum; any other (a lambda, ``nn.CrossEntropyLoss()``) is taken as a mean over
+    the counted targets.
 
     Example::
 
         total, count = loss_sum(logits, y)
     """
+    if is_regression(logits, targets):
+        pred, y = regression_pair(logits, targets)
+        count = torch.tensor(y.numel(), device=y.device)
+        if loss_fn is None:  # squared errors summed in float64: the same at any batch split
+            return (pred.double() - y.double()).square().sum(), count
+        return _summed(loss_fn, pred, y, count), count
     flat_logits, flat_targets = aligned(logits, targets, shift)
     count = (flat_targets != ignore_index).sum()
     if loss_fn is None:  # per-target losses summed in float64: the same at any batch split
         total = F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=ignore_index,
                                 reduction="none").double().sum()
-    elif _takes_reduction(loss_fn):
-        total = loss_fn(flat_logits.float(), flat_targets, reduction="sum")
-    else:
-        total = loss_fn(flat_logits.float(), flat_targets) * count
-    return total.double(), count
+        return total, count
+    return _summed(loss_fn, flat_logits.float(), flat_targets, count), count
+
+
+def _summed(loss_fn: Callable[..., torch.Tensor], outputs: torch.Tensor, targets: torch.Tensor,
+            count: torch.Tensor) -> torch.Tensor:
+    if _takes_reduction(loss_fn):
+        return loss_fn(outputs, targets, reduction="sum").double()
+    return (loss_fn(outputs, targets) * count).double()
 
 
 def topk_hits(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int],
@@ -223,7 +286,9 @@ def topk_hits(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int],
 
 
 def step_sums(result: Any) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """Check what a user ``step(model, batch)`` returned: ``{name: (sum, count)}``.
+    """Check what a user ``step(model, batch)`` returned: ``{name: (sum, count)}``, and perhaps
+    the batch's ``"outputs"`` and ``"targets"`` (:data:`STEP_OUTPUTS`, left out here) for
+    ``metrics=``.
 
     Example::
 
@@ -231,17 +296,58 @@ def step_sums(result: Any) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
     """
     bad = ConfigError(f"step must return a dict of name -> (sum, count), for example "
                       f"{{'loss': (loss_sum, tokens)}}; got {_describe(result)}")
-    if not isinstance(result, Mapping) or not result:
+    if not isinstance(result, Mapping):
         raise bad
     out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-    for name, pair in result.items():
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+    for name, value in result.items():
+        if name in STEP_OUTPUTS:
+            continue
+        pair = _pair(value)
+        if pair is None:
             raise bad
-        total, count = (torch.as_tensor(v) for v in pair)
-        if total.numel() != 1 or count.numel() != 1:
-            raise bad
-        out[str(name)] = (total.reshape(()), count.reshape(()))
+        out[str(name)] = pair
+    if not out:
+        raise bad
     return out
+
+
+def step_outputs(result: Mapping[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``"outputs"`` and ``"targets"`` tensors a step returned beside its sums, which feed
+    ``metrics=``; a one-line error when they are missing.
+
+    Example::
+
+        outputs, targets = step_outputs({"loss": (total, n), "outputs": logits, "targets": y})
+    """
+    outputs, targets = result.get("outputs"), result.get("targets")
+    if torch.is_tensor(outputs) and torch.is_tensor(targets):
+        return outputs, targets
+    raise ConfigError(f"metrics= with step=: the step must also return the batch's 'outputs' "
+                      f"and 'targets' tensors for the metrics, for example {{'loss': (total, n), "
+                      f"'outputs': logits, 'targets': y}}; got {_describe(result)}")
+
+
+def sum_count(value: Any, what: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``value`` as a (sum, count) pair of scalar tensors, or a one-line error naming ``what``.
+
+    Example::
+
+        total, count = sum_count(metric_fn(outputs, y), "metrics['mape']")
+    """
+    pair = _pair(value)
+    if pair is None:
+        raise ConfigError(f"{what} must return (sum, count), for example "
+                          f"((pred - y).abs().sum(), y.numel()); got {_describe(value)}")
+    return pair
+
+
+def _pair(value: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        return None
+    total, count = (torch.as_tensor(v) for v in value)
+    if total.numel() != 1 or count.numel() != 1:
+        return None
+    return total.reshape(()), count.reshape(())
 
 
 def _describe(value: Any) -> str:

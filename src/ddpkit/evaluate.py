@@ -5,7 +5,7 @@ evaluates a disjoint block and only sums and counts cross the wire, once, at the
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -15,14 +15,20 @@ from . import comm
 from .data import ShardSampler
 from .batches import IGNORE_INDEX
 from .batches import channels_last as to_channels_last
-from .batches import forward, logits_of, loss_sum, step_sums, targets_of, to_device, topk_hits
+from .batches import (forward, is_regression, logits_of, loss_sum, regression_pair, step_outputs,
+                      step_sums, sum_count, targets_of, to_device, topk_hits)
 from .errors import ConfigError
 from .precision import Precision
 from .resident import choose_resident, resident_batches
+from .seed import preserved_rng
 from .sharded import is_sharded
 from .wrap import unwrap
 
 __all__ = ["evaluate", "topk_correct"]
+
+Pair = Tuple[torch.Tensor, torch.Tensor]
+#: A regression's (sum, count) names: the errors, then the sums of y and y^2 that make r2 exact.
+REGRESSION_SUMS = ("mse", "mae", "_sum_y", "_sum_y2")
 
 
 def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks: Sequence[int]) -> list[int]:
@@ -63,12 +69,22 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     tensors; the model may return logits of any shape ``(*, classes)`` or an object with
     ``.logits`` (Hugging Face). Returns ``count`` (targets counted: samples for a classifier,
     tokens for a language model; ``ignore_index`` targets are not counted), ``loss`` (mean over
-    them) and ``top{k}`` accuracies in percent for each k in ``topk`` (``topk=()``: none), plus
-    the value of each torchmetrics ``Metric`` in ``metrics`` (they sync across ranks themselves).
+    them) and ``top{k}`` accuracies in percent for each k in ``topk`` (``topk=()``: none).
 
-    ``loss_fn`` is optional (cross-entropy); one taking ``reduction=`` is asked for sums, any other
-    is taken as a mean. ``step(model, batch) -> {name: (sum, count)}`` replaces all of that: the
-    result holds ``name: sum / count`` for each name, and ``count`` (of ``loss``, or the first).
+    A regression (float targets shaped like the outputs, ``(B, 1)`` against ``(B,)`` included;
+    see :func:`ddpkit.batches.is_regression`) returns ``loss`` (MSE unless ``loss_fn``), ``mse``,
+    ``mae``, ``r2`` and ``count`` (target values) instead of ``top{k}``; r2 is ``1 - SSE / SST``
+    over every target value, from float64 sums over all ranks (NaN when the targets are
+    constant).
+
+    ``metrics`` maps names to torchmetrics ``Metric`` objects (they sync across ranks
+    themselves) or to functions ``fn(outputs, targets) -> (sum, count)``, reduced exactly like
+    the loss; a regression's outputs reach them shaped like the targets.
+
+    ``loss_fn`` is optional; one taking ``reduction=`` is asked for sums, any other is taken as
+    a mean. ``step(model, batch) -> {name: (sum, count)}`` replaces all of that: the result
+    holds ``name: sum / count`` for each name, and ``count`` (of ``loss``, or the first); with
+    ``metrics``, the step also returns ``"outputs"`` and ``"targets"`` tensors for them.
     ``shift_labels`` scores logits at t against targets at t+1; ``None`` decides for dict batches
     whose model returns ``.loss`` (a Hugging Face causal LM shifts internally) by which
     alignment reproduces that loss on the first batch.
@@ -76,7 +92,8 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     ``batch_size`` is per rank. Runs the unwrapped module, so DDP never waits on a collective
     while ranks process different numbers of batches. Sums stay on the device until the end
     (no sync per batch); ``resident`` is as in :func:`ddpkit.data.make_loader` (on a GPU, data
-    that fits is evaluated from device memory).
+    that fits is evaluated from device memory). The RNG streams (Python, NumPy, torch) are left
+    where they were, so evaluating mid-training does not change the batches that follow.
 
     Example::
 
@@ -84,45 +101,184 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
         print0(f"top-1 {result['top1']:.2f}% on {result['count']} samples")
         lm = evaluate(gpt, val_tokens, topk=())          # (B, T, V) logits: per-token loss
         print0(f"perplexity {math.exp(lm['loss']):.2f} over {lm['count']} tokens")
+        reg = evaluate(regressor, val_rows)             # (B, 1) outputs, float (B,) targets
+        print0(f"r2 {reg['r2']:.4f}, mae {reg['mae']:.3f}")
     """
     net = unwrap(model)
-    was_training = net.training
-    net.eval()
     device = device or next(net.parameters()).device
-    prec = precision or Precision("fp32", device)
-    sums: Dict[str, torch.Tensor] = {}  # name -> [sum, count] on the device, read once at the end
-    ks = tuple(topk)
-    shift = shift_labels
-    batches = _eval_batches(data, batch_size, num_workers, device, resident, collate_fn)
-    # FSDP gathers parameters collectively: every rank runs as many forwards (fillers uncounted)
-    paired = _lockstep(batches, data, collate_fn) if is_sharded(net) else \
-        ((b, True) for b in batches)
+    scorer = _Scorer(loss_fn, tuple(topk), ignore_index, shift_labels, step,
+                     _checked(metrics, topk))
+    was_training = net.training
+    # The loader's base seed and a dataset's random augmentation draw from the global streams:
+    # without this, evaluating mid-training would change the training batches after it.
+    with preserved_rng():
+        net.eval()
+        try:
+            batches = _eval_batches(data, batch_size, num_workers, device, resident, collate_fn)
+            # FSDP gathers parameters collectively: every rank runs as many forwards (fillers
+            # uncounted)
+            paired = _lockstep(batches, data, collate_fn) if is_sharded(net) else \
+                ((b, True) for b in batches)
+            sums = _tally(net, paired, scorer, device, precision or Precision("fp32", device),
+                          channels_last)
+        finally:
+            net.train(was_training)
+        return scorer.finish(sums)
+
+
+def _tally(net: nn.Module, paired: Iterable[Tuple[Any, bool]], scorer: "_Scorer",
+           device: torch.device, prec: Precision, channels_last: bool) -> Dict[str, torch.Tensor]:
+    """name -> [sum, count] float64 on the device, summed over this rank's batches."""
+    sums: Dict[str, torch.Tensor] = {}
     for batch, counted in paired:
         batch = to_device(batch, device)
         if channels_last:
             batch = to_channels_last(batch)
         with prec.autocast():
-            out = step(net, batch) if step is not None else forward(net, batch)
+            out = scorer.step(net, batch) if scorer.step is not None else forward(net, batch)
         if not counted:
             continue
-        if step is not None:
-            pairs = step_sums(out)
-        else:
-            logits, targets = logits_of(out).float(), targets_of(batch)
-            if shift is None:
-                shift = _shifted(out, logits, targets, ignore_index)
-            total, count = loss_sum(logits, targets, loss_fn, ignore_index, shift)
-            pairs = {"loss": (total, count)}
-            if ks:
-                hits = topk_hits(logits, targets, ks, ignore_index, shift)
-                pairs.update({f"top{k}": (hits[i] * 100.0, count) for i, k in enumerate(ks)})
-            for metric in (metrics or {}).values():
-                metric.update(logits, targets)
-        for name, (total, count) in pairs.items():
+        for name, (total, count) in scorer(out, batch).items():
             pair = torch.stack([total.to(device, torch.float64), count.to(device, torch.float64)])
             sums[name] = sums[name] + pair if name in sums else pair
-    net.train(was_training)
-    return _finish(sums, step is None, ks, metrics)
+    return sums
+
+
+def _is_metric_object(metric: Any) -> bool:
+    return hasattr(metric, "update") and hasattr(metric, "compute")  # torchmetrics-like
+
+
+def _checked(metrics: Optional[Mapping[str, Any]], ks: Sequence[int]) -> Dict[str, Any]:
+    results = ["loss", "count", "mse", "mae", "r2", *(f"top{k}" for k in ks)]
+    for name, metric in (metrics or {}).items():
+        if name in results or name in REGRESSION_SUMS:
+            raise ConfigError(f"metrics: the name {name!r} is one of evaluate's own results "
+                              f"({', '.join(results)}); choose another")
+        if not (_is_metric_object(metric) or callable(metric)):
+            raise ConfigError(f"metrics[{name!r}] must be a torchmetrics Metric or a function "
+                              f"fn(outputs, targets) -> (sum, count); got an object of type "
+                              f"{type(metric).__name__}")
+    return dict(metrics or {})
+
+
+class _Scorer:
+    """One batch's output -> (sum, count) pairs, and the reduced pairs -> the results. Whether
+    the task is a regression, and whether a causal LM's labels are shifted, is decided on the
+    first batch."""
+
+    def __init__(self, loss_fn: Optional[Callable[..., torch.Tensor]], ks: Tuple[int, ...],
+                 ignore_index: int, shift: Optional[bool], step: Optional[Callable[..., Any]],
+                 metrics: Dict[str, Any]):
+        self.loss_fn, self.ks, self.ignore_index, self.shift = loss_fn, ks, ignore_index, shift
+        self.step, self.metrics = step, metrics
+        self.fns = [name for name, m in metrics.items() if not _is_metric_object(m)]
+        self.regression: Optional[bool] = None
+
+    def __call__(self, out: Any, batch: Any) -> Dict[str, Pair]:
+        if self.step is not None:
+            pairs = step_sums(out)
+            if not self.metrics:
+                return pairs
+            outputs, targets = step_outputs(out)
+        else:
+            outputs, targets = logits_of(out), targets_of(batch)
+            if self.regression is None:
+                self.regression = is_regression(outputs, targets)
+            if self.regression:
+                outputs, targets = regression_pair(outputs, targets)
+                pairs = _regression_sums(outputs, targets, self.loss_fn)
+            else:
+                outputs = outputs.float()
+                pairs = self._classification_sums(out, outputs, targets)
+        return {**pairs, **self._metric_sums(outputs, targets, pairs)}
+
+    def _classification_sums(self, out: Any, logits: torch.Tensor,
+                             targets: torch.Tensor) -> Dict[str, Pair]:
+        if self.shift is None:
+            self.shift = _shifted(out, logits, targets, self.ignore_index)
+        total, count = loss_sum(logits, targets, self.loss_fn, self.ignore_index, self.shift)
+        pairs = {"loss": (total, count)}
+        if self.ks:
+            hits = topk_hits(logits, targets, self.ks, self.ignore_index, self.shift)
+            pairs.update({f"top{k}": (hits[i] * 100.0, count) for i, k in enumerate(self.ks)})
+        return pairs
+
+    def _metric_sums(self, outputs: torch.Tensor, targets: torch.Tensor,
+                     taken: Mapping[str, Pair]) -> Dict[str, Pair]:
+        pairs: Dict[str, Pair] = {}
+        for name, metric in self.metrics.items():
+            if _is_metric_object(metric):
+                metric.update(outputs, targets)
+                continue
+            if name in taken:
+                raise ConfigError(f"metrics: the step returns {name!r} already; rename one")
+            pairs[name] = sum_count(metric(outputs, targets), f"metrics[{name!r}]")
+        return pairs
+
+    def finish(self, sums: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        totals = _reduce(self._names(sums), sums)
+        regression = self.step is None and totals["mse"][1] > 0
+        if self.step is not None:
+            shown = [n for n in totals if n not in self.fns]
+        elif regression:
+            shown = ["loss", "mse", "mae"]
+        else:
+            shown = ["loss", *(f"top{k}" for k in self.ks)]
+        out = {name: _mean(*totals[name]) for name in [*shown, *self.fns]}
+        if regression:
+            out["r2"] = _r2(totals)
+        first = "loss" if "loss" in shown else (shown[0] if shown else None)
+        out["count"] = int(totals[first][1]) if first is not None else 0
+        if out["count"] == 0:
+            raise ConfigError("evaluate: no targets were counted (the evaluation data is empty, "
+                              "or every target equals ignore_index); check the data you pass")
+        out.update(_computed(self.metrics))
+        return out
+
+    def _names(self, sums: Mapping[str, torch.Tensor]) -> List[str]:
+        """The names every rank reduces, in the same order (a rank with an empty shard too)."""
+        if self.step is not None:  # the step's names, from every rank (a shard may be empty)
+            return sorted(set(self.fns).union(*comm.gather_object(sorted(sums))))
+        return ["loss", *(f"top{k}" for k in self.ks), *REGRESSION_SUMS, *self.fns]
+
+
+def _regression_sums(pred: torch.Tensor, y: torch.Tensor,
+                     loss_fn: Optional[Callable[..., torch.Tensor]]) -> Dict[str, Pair]:
+    """A regression batch's pairs, summed in float64 so they add up the same at any split."""
+    loss = loss_sum(pred, y, loss_fn)
+    err, y64 = pred.double() - y.double(), y.double()
+    n = loss[1]
+    return {"loss": loss, "mse": (err.square().sum(), n), "mae": (err.abs().sum(), n),
+            "_sum_y": (y64.sum(), n), "_sum_y2": (y64.square().sum(), n)}
+
+
+def _reduce(names: List[str], sums: Mapping[str, torch.Tensor]) -> Dict[str, Tuple[float, float]]:
+    zero = torch.zeros(2, dtype=torch.float64)
+    local = torch.stack([sums.get(n, zero).cpu() for n in names]) if names else \
+        torch.zeros(0, 2, dtype=torch.float64)
+    totals = comm.reduce(local, "sum")
+    return {name: (total, count) for name, (total, count) in zip(names, totals.tolist())}
+
+
+def _mean(total: float, count: float) -> float:
+    return total / count if count else float("nan")
+
+
+def _r2(totals: Mapping[str, Tuple[float, float]]) -> float:
+    """1 - SSE / SST, with SST = sum(y^2) - sum(y)^2 / n over every rank's targets."""
+    sse, n = totals["mse"]
+    sst = totals["_sum_y2"][0] - totals["_sum_y"][0] ** 2 / n
+    return 1.0 - sse / sst if sst > 0 else float("nan")
+
+
+def _computed(metrics: Mapping[str, Any]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for name, metric in metrics.items():
+        if _is_metric_object(metric):
+            value = metric.compute()
+            out[name] = float(value) if torch.is_tensor(value) and value.numel() == 1 else value
+            metric.reset()
+    return out
 
 
 def _lockstep(batches: Any, data: Any, collate_fn: Optional[Callable]) -> Iterable[Any]:
@@ -144,27 +300,3 @@ def _shifted(out: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index
     off_plain = abs(float(plain / n_plain.clamp(min=1)) - float(model_loss))
     off_moved = abs(float(moved / n_moved.clamp(min=1)) - float(model_loss))
     return off_moved < off_plain
-
-
-def _finish(sums: Dict[str, torch.Tensor], scored: bool, ks: Sequence[int],
-            metrics: Optional[Mapping[str, Any]]) -> Dict[str, float]:
-    # Every rank reduces the same names in the same order (a rank with an empty shard included).
-    names = ["loss", *[f"top{k}" for k in ks]]
-    if not scored:  # the step's names, from every rank (a rank's shard may be empty)
-        names = sorted(set().union(*comm.gather_object(sorted(sums))))
-    local = torch.stack([sums.get(n, torch.zeros(2, dtype=torch.float64)).cpu() for n in names]) \
-        if names else torch.zeros(0, 2, dtype=torch.float64)
-    totals = comm.reduce(local, "sum")
-    out: Dict[str, float] = {}
-    for name, (total, count) in zip(names, totals.tolist()):
-        out[name] = total / count if count else float("nan")
-    first = "loss" if "loss" in names else (names[0] if names else None)
-    out["count"] = int(totals[names.index(first)][1]) if first is not None else 0
-    if out["count"] == 0:
-        raise ConfigError("evaluate: no targets were counted (the evaluation data is empty, or "
-                          "every target equals ignore_index); check the data you pass")
-    for name, metric in (metrics or {}).items():
-        value = metric.compute()
-        out[name] = float(value) if torch.is_tensor(value) and value.numel() == 1 else value
-        metric.reset()
-    return out
