@@ -7,7 +7,9 @@
    about every 0.25 s (rank 0 measures the step time and tells the others once). Measured on
    2 processes (gloo) as the median time of that question, beside a blocking reduction and the
    median optimizer step of the default ``ddpkit train`` job, in the same run.
-2. SIGTERM to ``ddpkit train`` (ResNet-18 on synthetic CIFAR-shaped data, 2 processes): seconds
+2. ``ckpt.step()`` in a script's own loop (``rt.checkpointer``): the same question plus the step
+   count and the "is a save due" check, median over 1000 steps with no save due.
+3. SIGTERM to ``ddpkit train`` (ResNet-18 on synthetic CIFAR-shaped data, 2 processes): seconds
    from the signal to the saved checkpoint (as rank 0 prints it) and to the launcher's exit.
 """
 from __future__ import annotations
@@ -46,6 +48,26 @@ def agreement_cost(calls: int = 1000, step_s: float = 0.005) -> dict:
     rt.shutdown()
     return {"median_us": 1e6 * statistics.median(polled),
             "blocking_us": 1e6 * statistics.median(blocking), "calls": calls}
+
+
+def checkpointer_step_cost(directory: str, calls: int = 1000, step_s: float = 0.005) -> dict:
+    """Median time of ``ckpt.step()`` in a user's loop with no save due, ``step_s`` of other
+    work between steps (the first 20 ask every step, as in fit)."""
+    import torch
+
+    rt = ddpkit.setup()
+    model = rt.wrap(torch.nn.Linear(4, 4))
+    ckpt = rt.checkpointer(directory, model=model, every_epoch=False, resume=None)
+    times = []
+    for _ in range(calls):
+        time.sleep(step_s)
+        start = time.perf_counter()
+        ckpt.step()
+        times.append(time.perf_counter() - start)
+    ckpt.close()
+    rt.shutdown()
+    return {"median_us": 1e6 * statistics.median(times),
+            "first20_us": 1e6 * statistics.median(times[:20]), "calls": calls}
 
 
 def _train(out: str, *flags: str) -> subprocess.Popen:
@@ -89,6 +111,11 @@ def main() -> int:
               f"{cost['blocking_us']:.0f} us); default job's optimizer step {step:.1f} ms "
               f"median, asked every {asked_every} steps after step 20: "
               f"{cost['median_us'] / 10 / step / asked_every:.3f} % of the training time")
+        own = ddpkit.launch(checkpointer_step_cost, 2, os.path.join(tmp, "own"))
+        print(f"ckpt.step() in a user's loop: {own['median_us']:.0f} us median over "
+              f"{own['calls']} steps ({own['first20_us']:.0f} us over the first 20, which ask "
+              f"every step); at the default job's {step:.1f} ms step: "
+              f"{own['median_us'] / 10 / step:.3f} % of the training time")
         stop = sigterm_to_checkpoint(os.path.join(tmp, "resnet"))
         print(f"SIGTERM -> checkpoint {stop['to_checkpoint_s']} s (as rank 0 reports it), "
               f"-> launcher exit {stop['to_exit_s']} s, status {stop['returncode']}; "

@@ -223,3 +223,58 @@ def test_fit_still_takes_the_checkpointed_config_dict_as_before():
     fit(rt, net, opt, rt.loader(data(), 10), epochs=1, config={"lr": 0.1}, hooks=[Look()],
         progress=False)
     assert loop_seen == {"lr": 0.1}
+
+
+def test_fit_trains_and_evaluates_a_regression_out_of_the_box():
+    # (B, 1) outputs against (B,) float targets: MSE to train, mse/mae/r2 to evaluate.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 4, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.01 * torch.randn(96, generator=g)
+    rt = runtime()
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1)
+    state = fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.05), rt.loader(
+        TensorDataset(x, y), 16), epochs=4, eval_data=TensorDataset(x, y), progress=False)
+    first, last = state.history[0], state.history[-1]
+    assert last["eval/count"] == 96 and "eval/top1" not in last
+    assert last["eval/mse"] < first["eval/mse"] and last["eval/r2"] > 0.95
+    assert last["eval/loss"] == pytest.approx(last["eval/mse"])
+
+
+def test_a_checkpointer_in_a_user_loop_resumes_mid_epoch_exactly(tmp_path):
+    # One process; the kill -9 and multi-process versions are in test_own_loop.py.
+    def run(stop_at=None):
+        rt, net = runtime(), model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        loader = rt.loader(data(), 8)
+        ckpt = rt.checkpointer(tmp_path / "ckpt", model=net, optimizer=opt, loader=loader,
+                               every_steps=3, extra={"seen": 0})
+        for epoch in range(ckpt.epoch, 3):
+            for x, y in loader:
+                nn.functional.cross_entropy(net(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                ckpt.extra["seen"] += len(y)
+                ckpt.step()
+                if ckpt.global_step == stop_at:
+                    return None
+        ckpt.close()
+        return net, ckpt
+    whole, ckpt_whole = run()
+    import shutil
+    shutil.rmtree(tmp_path / "ckpt")
+    assert run(stop_at=7) is None        # saved at step 6 (mid-epoch 1), then "crashed"
+    resumed, ckpt = run()
+    assert ckpt.resumed.endswith("ckpt-000000006.pt")
+    assert ckpt.global_step == ckpt_whole.global_step == 15
+    assert ckpt.extra["seen"] == ckpt_whole.extra["seen"] == 120
+    for a, b in zip(resumed.parameters(), whole.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpointer_refuses_bad_options_in_one_line(tmp_path):
+    rt, net = runtime(), model()
+    with pytest.raises(ddpkit.ConfigError, match="every_steps must be an integer >= 0"):
+        rt.checkpointer(tmp_path, model=net, every_steps=-1)
+    with pytest.raises(ddpkit.ConfigError, match="extra names \\['model'\\] are taken"):
+        rt.checkpointer(tmp_path, model=net, extra={"model": 1})

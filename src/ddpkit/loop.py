@@ -16,7 +16,7 @@ from torch import nn
 
 from . import comm
 from .accumulate import Accumulator
-from .batches import (batch_size_of, channels_last, cross_entropy, forward, logits_of,
+from .batches import (batch_size_of, channels_last, default_loss, forward, logits_of,
                       step_sums, targets_of, to_device)
 from .data import DistributedLoader
 from .errors import ConfigError, DDPKitError
@@ -129,7 +129,7 @@ class _Fit:
         self.logger: Optional[RunLogger] = cfg.logger
         self.ckpt: Optional[CheckpointPolicy] = cfg.checkpoint
         self.checkpoints: Optional[Checkpointer] = None  # opened by run(): it may resume
-        self.loss_fn: Callable[..., torch.Tensor] = cfg.loss_fn or cross_entropy
+        self.loss_fn: Callable[..., torch.Tensor] = cfg.loss_fn or default_loss
         self._step_gives_sums = True  # a step returning a bare loss is not used to evaluate
         self.start_position = (0, 0)   # (epoch, global samples done in it) where this run starts
         # This optimizer step's [loss sum, samples] over its micro-batches, on the device; the
