@@ -4,6 +4,7 @@ timeouts named, and workers that die with their launcher.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from .errors import DDPKitError, JobSetupError
 from .stops import quiet_exit
 
 __all__ = ["install_error_hook", "collective_timeout", "is_peer_failure", "die_with_launcher",
-           "LAUNCHER_PID_VAR"]
+           "failure_digest", "LAUNCHER_PID_VAR"]
 
 #: Set for the workers of ``ddpkit run``: the launcher's pid. ``ddpkit.setup`` in a worker whose
 #: parent is that process asks the kernel to kill it when the launcher dies (Linux).
@@ -184,7 +185,10 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
     """Report an uncaught error once instead of once per rank.
 
     Rank 0 reports at once; other ranks wait ``delay`` seconds first, by which time a launcher
-    that saw rank 0 fail has stopped them, so an error every rank hits is printed once. A
+    that saw rank 0 fail has stopped them, so an error every rank hits is printed once. With
+    ``progress``'s store (one node) no rank waits: the first rank to fail prints its traceback
+    and each rank that fails the same way one line, ``rank N failed the same way (...)``;
+    different errors are each printed. A
     :class:`DDPKitError` is one line (no traceback) and exit status 2; a collective that failed
     only because a peer died is one line too, so the failing rank's traceback stands out; a
     collective that timed out is one line on every rank (:func:`collective_timeout`).
@@ -231,17 +235,87 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
                 # agents close the rendezvous through it before it goes (no noise from them).
                 time.sleep(delay if progress is not None and not single_node else 0.0)
             os._exit(2)
-        if rank != 0:
-            time.sleep(delay)
-        _record_root_cause(value, text)
         if isinstance(value, DDPKitError):
+            if rank != 0:
+                time.sleep(delay)
+            _record_root_cause(value, text)
             _write(f"{prefix}error: {value}\n")
             os._exit(2)
-        _write("".join(prefix + line + "\n" for line in text.splitlines()))
+        shared = progress is not None and progress.store is not None
+        if rank != 0 and not shared:  # with the store, ranks that fail alike agree on one
+            time.sleep(delay)
+        _record_root_cause(value, text)
+        _print_once(progress if shared else None, rank, value, text)
         os._exit(1)
 
     hook.ddpkit = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+_FAILED = "ddpkit/failed/{digest}"   # how many ranks failed with this traceback
+_FAILURES = "ddpkit/failures"         # how many ranks have printed their failure
+# What differs between ranks that hit the same bug: rank numbers, pids, devices, addresses.
+_RANK_SPECIFIC = ((re.compile(r"(rank|pid)[\s=:#_-]{0,2}\d+", re.I), r"\1 N"),
+                  (re.compile(r"(cuda|xpu|mps|gpu|device)[\s=:#_-]{0,2}\d+", re.I), r"\1 N"),
+                  (re.compile(r"0x[0-9a-f]+", re.I), "0x?"),
+                  (re.compile(r"\d{1,3}(\.\d{1,3}){3}(:\d+)?"), "ADDR"))
+
+
+def failure_digest(text: str) -> str:
+    """A digest of a traceback that is the same on every rank that failed the same way.
+
+    Example::
+
+        failure_digest("bad batch on rank 1") == failure_digest("bad batch on rank 0")   # True
+    """
+    for pattern, replacement in _RANK_SPECIFIC:
+        text = pattern.sub(replacement, text)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _print_once(progress: Any, rank: int, value: BaseException, text: str,
+                wait: float = 2.0, linger: float = 1.0) -> None:
+    """This rank's traceback, or one line when another rank printed the same one already.
+
+    Through the store (5 s timeout, every wait bounded): the first rank to claim a digest prints
+    the traceback; the others wait for it (``wait`` s; the traceback after all if it never
+    comes, so no error is lost), then say they failed the same way. Each then lingers up to
+    ``linger`` s for the other ranks to print theirs: the launcher stops every rank as soon as
+    one has exited, and a rank that failed differently a moment later would go unheard.
+    """
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    full = "".join(prefix + line + "\n" for line in text.splitlines())
+    store = progress.store if progress is not None else None
+    try:
+        store.set_timeout(timedelta(seconds=5))  # an unanswered store must not hold the exit
+        key = _FAILED.format(digest=failure_digest(text))
+        first = store.add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - no store (or no answer): every rank prints its own
+        _write(full)
+        return
+    if first or not _wait_for(store, key + "/printed", wait):
+        _write(full)
+        with contextlib.suppress(Exception):
+            store.set(key + "/printed", "1")
+    else:
+        message = " ".join(str(value).split())[:200]
+        _write(f"rank {rank} failed the same way ({type(value).__name__}: {message})\n")
+    with contextlib.suppress(Exception):
+        store.add(_FAILURES, 1)
+        deadline = time.monotonic() + linger
+        while store.add(_FAILURES, 0) < progress.world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _wait_for(store: Any, key: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(Exception):
+        while not store.check([key]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+    return False
 
 
 def _stop_consequence(exc: BaseException) -> bool:

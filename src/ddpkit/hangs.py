@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import time
+import weakref
 from typing import Any, Dict, List, Optional
 
 __all__ = ["Progress", "python_stack"]
@@ -19,17 +20,22 @@ _WAITING = "ddpkit/waiting/{rank}"
 _LEFT = "ddpkit/left/{rank}"
 _REPORTED = "ddpkit/hang-reported"
 
+# One optimizer hook per process however often ddpkit.setup runs: it counts for the Progress
+# that asked last (the one the error hook reads), held weakly so an old one can go.
+_WATCH: Dict[str, Any] = {"handle": None, "progress": lambda: None}
+
 
 class Progress:
     """This rank's place (host, pid, last step) in the store the ranks share; read on a hang.
 
     Writing is cheap: at most one small store write per ``interval`` seconds. Without a store
-    (one process, Horovod) every method is a no-op.
+    (one process, Horovod) nothing is written or read; ``last_step`` is still kept.
 
     Example::
 
         progress = Progress(store, rank=0, world_size=2).started()
         progress.step(57)                      # from the training loop
+        progress.watch_optimizers()            # or: every optimizer.step() counts by itself
         stuck = progress.not_arrived()         # after a collective timed out on this rank
     """
 
@@ -39,6 +45,8 @@ class Progress:
         self.last_step: Optional[int] = None
         self.reporter = True   # after not_arrived(): is this the lowest rank that waited?
         self._written = 0.0
+        self._stepped: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        self._base = 0         # the step last set by step(n); optimizer steps count from it
 
     def _write(self) -> None:
         if self.store is None:
@@ -57,10 +65,46 @@ class Progress:
         return self
 
     def step(self, step: int) -> None:
-        """Record the last finished optimizer step (written at most once per ``interval``)."""
+        """Record the last finished optimizer step (written at most once per ``interval``).
+
+        The absolute value (``fit``, a resumed checkpoint): optimizer steps counted by
+        :meth:`watch_optimizers` continue from it.
+        """
+        self._base = step
+        self._stepped.clear()
+        self._finished(step)
+
+    def _finished(self, step: int) -> None:
         self.last_step = step
         if time.monotonic() - self._written >= self.interval:
             self._write()
+
+    def watch_optimizers(self) -> Any:
+        """Count every ``optimizer.step()`` of this process as a finished step, so a hang report
+        knows the step of a script's own loop too. Idempotent; returns the hook's handle.
+
+        Each optimizer is counted on its own and the step is the largest count: two optimizers
+        (a GAN) or one that steps another (``ZeroRedundancyOptimizer``) count once per step.
+
+        Example::
+
+            progress.watch_optimizers()
+            optimizer.step()          # progress.last_step == 1
+        """
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _WATCH["progress"] = weakref.ref(self)
+        handle = _WATCH["handle"]
+        hooks = handle.hooks_dict_ref() if handle is not None else None
+        if hooks is None or handle.id not in hooks:  # none yet, or removed by its owner
+            _WATCH["handle"] = register_optimizer_step_post_hook(_optimizer_stepped)
+        return _WATCH["handle"]
+
+    def _optimizer_stepped(self, optimizer: Any) -> None:
+        count = self._stepped.get(optimizer, 0) + 1
+        self._stepped[optimizer] = count
+        if self.last_step is None or self._base + count > self.last_step:
+            self._finished(self._base + count)
 
     def leaving(self) -> None:
         """Record that this process is ending (at exit): a peer still waiting on it can say so."""
@@ -134,6 +178,15 @@ class Progress:
         key = _KEY.format(rank=rank)
         record = json.loads(self.store.get(key)) if self.store.check([key]) else {}
         return {"rank": rank, **record}
+
+
+def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    progress = _WATCH["progress"]()
+    if progress is not None:
+        try:
+            progress._optimizer_stepped(optimizer)
+        except Exception:  # noqa: BLE001 - diagnostics must never break a training step
+            pass
 
 
 def python_stack(pid: int, frames: int = 6, timeout: float = 10.0) -> Optional[List[str]]:

@@ -1,0 +1,146 @@
+"""Tests for ddpkit.hangs: the step a hang report names, counted from a script's own optimizers."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from ddpkit.hangs import Progress
+
+CLEAN = {k: v for k, v in os.environ.items()
+         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
+class CountingStore(tdist.HashStore):
+    """An in-process store that counts the progress records written to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = 0
+
+    def set(self, key, value):
+        self.writes += key.startswith("ddpkit/progress/")
+        super().set(key, value)
+
+
+@pytest.fixture
+def watched():
+    progress = Progress(CountingStore(), rank=0, world_size=1, interval=0.0)
+    handle = progress.watch_optimizers()
+    yield progress
+    handle.remove()
+
+
+def _sgd():
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+class Wrapper(torch.optim.Optimizer):
+    """Steps an inner optimizer, as ZeroRedundancyOptimizer does: both run the step hooks."""
+
+    def __init__(self, inner):
+        super().__init__(inner.param_groups[0]["params"], {})
+        self.inner = inner
+
+    def step(self, closure=None):
+        self.inner.step()
+
+
+def test_each_optimizer_step_is_a_finished_step(watched):
+    optimizer = _sgd()
+    assert watched.last_step is None
+    for _ in range(3):
+        optimizer.step()
+    assert watched.last_step == 3
+
+
+def test_two_optimizers_and_a_wrapper_count_once_per_step(watched):
+    generator, discriminator = _sgd(), _sgd()
+    wrapper = Wrapper(_sgd())
+    for _ in range(4):  # a GAN's two steps, then a wrapper that steps its inner optimizer
+        generator.step()
+        discriminator.step()
+        wrapper.step()
+    assert watched.last_step == 4
+
+
+def test_an_explicit_step_sets_the_count_and_later_steps_go_on_from_it(watched):
+    optimizer = _sgd()
+    optimizer.step()
+    watched.step(100)  # fit, or a checkpoint resumed at step 100
+    assert watched.last_step == 100
+    optimizer.step()
+    optimizer.step()
+    assert watched.last_step == 102
+
+
+def test_watching_twice_keeps_one_hook_and_the_newest_progress_counts(watched):
+    assert watched.watch_optimizers() is watched.watch_optimizers()
+    optimizer = _sgd()
+    optimizer.step()
+    assert watched.last_step == 1  # counted once, not once per call
+    newer = Progress(None, rank=0, world_size=1)
+    assert newer.watch_optimizers() is watched.watch_optimizers()
+    newer.watch_optimizers()
+    optimizer.step()
+    assert newer.last_step == 1 and watched.last_step == 1
+
+
+def test_a_removed_hook_is_registered_again():
+    progress = Progress(None, rank=0, world_size=1)
+    progress.watch_optimizers().remove()
+    handle = progress.watch_optimizers()
+    try:
+        _sgd().step()
+        assert progress.last_step == 1
+    finally:
+        handle.remove()
+
+
+def test_steps_are_written_at_most_once_per_interval():
+    store = CountingStore()
+    progress = Progress(store, rank=0, world_size=1, interval=60.0).started()
+    handle = progress.watch_optimizers()
+    try:
+        optimizer = _sgd()
+        for _ in range(50):
+            optimizer.step()
+    finally:
+        handle.remove()
+    assert progress.last_step == 50 and store.writes == 1  # started() only: within the interval
+
+
+OWN_LOOP = """import os, signal, time, torch, ddpkit
+from datetime import timedelta
+rt = ddpkit.setup(timeout=timedelta(seconds=5), seed=0)
+rt.progress.watch_optimizers()
+model = rt.wrap(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1, 10):
+    if rt.rank == 1 and step == 4:
+        os.kill(os.getpid(), signal.SIGSTOP)   # stuck after 3 finished steps
+    time.sleep(1.1)   # a step slower than the progress record's write interval (1 s)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+@pytest.mark.slow
+def test_a_hang_in_a_scripts_own_loop_names_the_last_finished_step(tmp_path):
+    script = tmp_path / "own_loop.py"
+    script.write_text(OWN_LOOP)
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
+                         capture_output=True, text=True, timeout=120, env=CLEAN)
+    assert res.returncode == 1, res.stderr
+    assert time.monotonic() - start < 60
+    stuck = [line for line in res.stderr.splitlines() if "did not arrive" in line]
+    assert len(stuck) == 1 and stuck[0].startswith("  rank 1 did not arrive (pid "), res.stderr
+    assert "last finished step 3)" in stuck[0], res.stderr
+    assert "no step finished" not in res.stderr
