@@ -251,6 +251,7 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     single_node = env.num_nodes == 1
     progress = Progress(chosen.store() if single_node else None, env.rank,
                         env.world_size).started()
+    progress.watch_optimizers()  # a script's own loop: hang reports name its last optimizer step
     if progress.store is not None:  # registered after the group's exit handler: runs first
         atexit.register(progress.leaving)
     if backend_name is not None:  # PyTorch wrapped the hook at init; ours goes on top
