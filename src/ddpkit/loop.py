@@ -135,6 +135,7 @@ class _Fit:
         # This optimizer step's [loss sum, samples] over its micro-batches, on the device; the
         # reduction over ranks runs behind backward on the steps whose loss someone reads.
         self._window = torch.zeros(2, dtype=torch.float64, device=rt.device)
+        self._epoch_sums = torch.zeros_like(self._window)  # the epoch's windows, added up
         self._pending: Any = None
 
     # ------------------------------------------------------------------ checkpoints
@@ -221,28 +222,26 @@ class _Fit:
     def train_epoch(self) -> Dict[str, float]:
         self.loader.set_epoch(self.state.epoch)  # a resume into this epoch keeps its place
         self.model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.rt.device)  # no per-step sync
-        seen, start = 0, time.perf_counter()
+        self._epoch_sums.zero_()  # on the device: no per-step sync
+        start = time.perf_counter()
         bar = progress(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
                        self.cfg.progress, self.loader.batch_size * self.rt.world_size)
         for batch in bar:
             loss = self._forward_backward(batch, self.loader.at_last_batch)
             for hook in self.cfg.hooks:
                 hook.on_batch_end(self, batch)
-            n = batch_size_of(batch)
-            loss_sum += loss.double() * n
-            seen += n
             if self.acc.stepped:
                 self._after_optimizer_step(loss, bar)
                 if self._stop():
                     break
         bar.close()
-        return self._epoch_metrics(loss_sum, seen, time.perf_counter() - start)
+        return self._epoch_metrics(time.perf_counter() - start)
 
     def _after_optimizer_step(self, loss_t: torch.Tensor, bar: Any) -> None:
         step = self.state.step + 1
         log_now = self.logger is not None and step % self.cfg.log_every == 0
         loss = self._mean_loss()  # over ranks and micro-batches; nan on steps nobody reads
+        self._epoch_sums += self._window  # an epoch's micro-batches all end in a step
         self._window.zero_()
         if self._check_every_micro_step or log_now or self.cfg.hooks:
             self._check_finite(loss_t)
@@ -271,8 +270,8 @@ class _Fit:
     def _stop(self) -> bool:
         return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
 
-    def _epoch_metrics(self, loss_sum: torch.Tensor, seen: int, seconds: float) -> Dict[str, float]:
-        totals = comm.reduce(torch.tensor([float(loss_sum), seen], dtype=torch.float64), "sum")
+    def _epoch_metrics(self, seconds: float) -> Dict[str, float]:
+        totals = comm.reduce(self._epoch_sums, "sum")
         wall = comm.reduce(seconds, "max")  # the slowest rank sets the pace
         count = int(totals[1])
         steps = max(1, math.ceil(len(self.loader) / self.acc.steps))
