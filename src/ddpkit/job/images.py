@@ -67,8 +67,9 @@ class ImageDataset(Dataset):
 def random_crop_flip(image: torch.Tensor, padding: int = 4) -> torch.Tensor:
     """Random crop after zero padding, then a horizontal flip with probability 1/2.
 
-    Draws from torch's global RNG on purpose: ddpkit seeds it per rank and per loader worker,
-    so augmentation differs across workers yet replays exactly on resume.
+    Draws from torch's global RNG on purpose, as torchvision's transforms do: in loader workers
+    ddpkit seeds it per sample (run seed, epoch, sample), in the main process a resume restores
+    it, so augmentation differs across samples yet replays exactly on resume.
 
     Example::
 
