@@ -51,6 +51,16 @@ def lm_diff() -> str:
     return _diff("examples/lm_plain.py", "examples/lm_ddpkit.py")
 
 
+def imagenet_diff() -> str:
+    """The whole diff between the imagenet/main.py-shaped script and its ddpkit conversion."""
+    return _diff("examples/imagenet_plain.py", "examples/imagenet_ddpkit.py")
+
+
+def gpt_diff() -> str:
+    """The whole diff between the nanoGPT-shaped script and its ddpkit conversion."""
+    return _diff("examples/gpt_plain.py", "examples/gpt_ddpkit.py")
+
+
 def _cli(args: List[str]) -> str:
     from ddpkit.cli import main
 
@@ -153,6 +163,7 @@ def runtime_api() -> str:
 
 
 BLOCKS: Dict[str, Callable[[], str]] = {"example-diff": example_diff, "lm-diff": lm_diff,
+                                        "imagenet-diff": imagenet_diff, "gpt-diff": gpt_diff,
                                         "runtime-api": runtime_api, "sbatch": sbatch,
                                         "run-usage": run_usage, "module-map": module_map,
                                         "public-api": public_api}
