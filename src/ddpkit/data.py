@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
@@ -135,11 +136,14 @@ class _WorkerInit:
         s = worker_seed(self.seed, self.rank, worker_id, self.epoch)
         torch.manual_seed(s)
         random.seed(s)
-        try:
-            import numpy as np
-            np.random.seed(s % (2 ** 32))
-        except ImportError:
-            pass
+        if _numpy is not None:
+            _numpy.random.seed(s % (2 ** 32))
+        # torchrun's agent, Slurm and Kubernetes signal the whole process group: the rank then
+        # finishes its step, saves and stops (ddpkit.stops), so its workers must not die first
+        # (torch's worker handler would, and the rank would fail on a dead worker). A worker
+        # still ends with its rank: torch's watchdog sees the parent gone.
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def sample_seed(base_seed: int, epoch: int, index: int) -> int:
