@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 
 from ddpkit.data import (DistributedLoader, ResumableSampler, ShardSampler, make_loader,
                          per_rank_batch_size, worker_seed)
@@ -258,12 +258,14 @@ def test_set_epoch():
 
 def test_state_dict_names_the_epoch_the_next_batch_belongs_to():
     loader = _loader()
-    assert loader.state_dict() == {"epoch": 0, "samples_done": 0, "world_size": 2, "seed": 7}
+    assert loader.state_dict() == {"epoch": 0, "samples_done": 0, "pad_base": 0, "world_size": 2,
+                                   "seed": 7}
     it = iter(loader)
     batches = [next(it) for _ in range(len(loader))]  # the last batch handed out, pass not over
     assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["samples_done"] >= N
     assert list(it) == []                              # the pass is over: the next epoch, from 0
-    assert loader.state_dict() == {"epoch": 1, "samples_done": 0, "world_size": 2, "seed": 7}
+    assert loader.state_dict() == {"epoch": 1, "samples_done": 0, "pad_base": 0, "world_size": 2,
+                                   "seed": 7}
     assert len(batches) == len(loader)
 
 
@@ -285,7 +287,8 @@ def test_resume_mid_epoch_gives_the_rest_of_the_epoch(rank):
     it = iter(a)
     first = [next(it), next(it)]
     state = a.state_dict()
-    assert state == {"epoch": 1, "samples_done": 2 * 2 * 2, "world_size": 2, "seed": 7}
+    assert state == {"epoch": 1, "samples_done": 2 * 2 * 2, "pad_base": 0, "world_size": 2,
+                     "seed": 7}
     b = _loader(rank=rank)
     b.load_state_dict(state)
     rest = list(b)
@@ -392,3 +395,42 @@ def test_persistent_workers_draw_differently_each_epoch():
 def test_non_persistent_workers_draw_differently_each_epoch():
     first, second = _draws(0, False, epochs=2)
     assert not set(first) & set(second)
+
+
+@pytest.mark.parametrize("n", [10, 11, 13])
+def test_resume_mid_epoch_on_uneven_shards_gives_the_same_padded_tail(n):
+    # n not divisible by 4 ranks: the padding repeats the head of the *whole* epoch, as the
+    # uninterrupted run has it, not the head of what is left.
+    def loader(rank):
+        return make_loader(TensorDataset(torch.arange(n)), 4, ClusterEnv(rank=rank, world_size=4,
+                           local_rank=rank), seed=3)
+    for rank in range(4):
+        whole = _flat(loader(rank))
+        a = loader(rank)
+        it = iter(a)
+        first = [next(it)]
+        b = loader(rank)
+        b.load_state_dict(a.state_dict())
+        assert _flat(first) + _flat(b) == whole
+
+
+@pytest.mark.parametrize("key", ["sampler", "batch_sampler", "generator", "worker_init_fn"])
+def test_loader_arguments_it_sets_itself_are_refused_in_one_line(key):
+    with pytest.raises(ConfigError, match=f"rt.loader does not take {key}="):
+        make_loader(TensorDataset(torch.arange(8)), 4, _env(0, 1), **{key: object()})
+
+
+def test_pin_memory_given_by_the_user_wins():
+    loader = make_loader(TensorDataset(torch.arange(8)), 4, _env(0, 1), pin_memory=False)
+    assert loader.loader_kwargs["pin_memory"] is False
+    assert sorted(int(i) for (b,) in loader for i in b) == list(range(8))
+
+
+def test_set_epoch_of_another_epoch_after_a_restore_warns_that_the_position_is_dropped():
+    a = _loader(rank=0)
+    it = iter(a)
+    next(it)
+    b = _loader(rank=0)
+    b.load_state_dict(a.state_dict())
+    with pytest.warns(UserWarning, match="drops the resumed position .epoch 0, 4 samples done"):
+        b.set_epoch(3)

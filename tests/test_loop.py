@@ -278,3 +278,49 @@ def test_checkpointer_refuses_bad_options_in_one_line(tmp_path):
         rt.checkpointer(tmp_path, model=net, every_steps=-1)
     with pytest.raises(ddpkit.ConfigError, match="extra names \\['model'\\] are taken"):
         rt.checkpointer(tmp_path, model=net, extra={"model": 1})
+
+
+def test_max_steps_on_an_epochs_last_batch_then_resume_runs_each_epoch_end_once(tmp_path):
+    def run(epochs, max_steps=None):
+        rt, net = runtime(), model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        state = fit(rt, net, opt, rt.loader(data(), 10), epochs=epochs, max_steps=max_steps,
+                    scheduler=sched, eval_data=data(8, seed=1), progress=False,
+                    checkpoint=CheckpointPolicy(str(tmp_path), resume="auto"))
+        return state, sched
+    run(3, max_steps=4)                      # 4 batches an epoch: stops on epoch 1's last batch
+    state, sched = run(3)
+    assert [h["epoch"] for h in state.history] == [1, 2, 3]
+    assert sched.last_epoch == 3
+
+
+def test_a_checkpoint_written_by_fit_before_the_checkpointer_keeps_history_and_best(tmp_path):
+    from ddpkit.checkpoint import find_latest, save_checkpoint
+    rt, net = runtime(), model()
+    fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), rt.loader(data(), 10), epochs=2,
+        eval_data=data(8, seed=1), progress=False, checkpoint=CheckpointPolicy(str(tmp_path / "a")))
+    state = find_latest(tmp_path / "a")[1]
+    best = state.pop("best")  # the old format: best in "progress", no list of extras
+    del state["extra_names"]
+    state["progress"].update(best)
+    save_checkpoint(state, tmp_path / "b", step=state["progress"]["step"])
+    again = model()
+    resumed = fit(rt, again, torch.optim.SGD(again.parameters(), lr=0.1), rt.loader(data(), 10),
+                  epochs=3, eval_data=data(8, seed=1), progress=False,
+                  checkpoint=CheckpointPolicy(str(tmp_path / "b"), resume="auto"))
+    assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
+    assert resumed.history[:2] == state["history"]
+    assert resumed.best >= best["best"]
+
+
+def test_checkpointer_restores_list_and_dict_extras_in_place(tmp_path):
+    rt, net = runtime(), model()
+    losses, meta = [], {}
+    ckpt = rt.checkpointer(tmp_path, model=net, extra={"losses": losses, "info": meta})
+    losses += [1.0, 0.5]
+    meta["lr"] = 0.1
+    ckpt.save()
+    mine, info = [], {}
+    again = rt.checkpointer(tmp_path, model=model(), extra={"losses": mine, "info": info})
+    assert again.extra["losses"] is mine and mine == [1.0, 0.5] and info == {"lr": 0.1}

@@ -47,10 +47,12 @@ def assert_bitwise_equal(a, b):
 
 
 def assert_every_sample_once(out):
+    # 91 samples on 2 ranks: DistributedSampler's rule pads one (a repeat of the epoch's first)
     per_epoch = effective_samples(str(out))
     assert sorted(per_epoch) == list(range(EPOCHS))
     for epoch, idx in per_epoch.items():
-        assert sorted(idx) == list(range(own_loop_script.SAMPLES)), f"epoch {epoch}"
+        assert sorted(set(idx)) == list(range(own_loop_script.SAMPLES)), f"epoch {epoch}"
+        assert len(idx) == own_loop_script.SAMPLES + 1, f"epoch {epoch}: lost or repeated"
 
 
 @pytest.fixture(scope="module")

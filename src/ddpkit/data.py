@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 import signal
+import warnings
 from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
@@ -59,11 +60,17 @@ class ResumableSampler(DistributedSampler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.start = 0
+        self.start = self.pad_base = 0
 
-    def skip(self, samples: int) -> None:
-        """Skip the first ``samples`` positions of the current epoch across all ranks (once)."""
+    def skip(self, samples: int, pad_base: Optional[int] = None) -> None:
+        """Skip the first ``samples`` positions of the current epoch across all ranks (once).
+
+        The epoch is padded (to a multiple of the ranks) from position ``pad_base`` on: 0 when
+        the skipped part was consumed by as many ranks as this sampler has, so the rest, padding
+        included, is exactly what an uninterrupted run sees; ``samples`` (the default) after a
+        change of the world size, so nothing consumed is repeated as padding."""
         self.start = samples
+        self.pad_base = samples if pad_base is None else min(pad_base, samples)
 
     def _epoch_indices(self) -> list:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -82,14 +89,20 @@ class ResumableSampler(DistributedSampler):
             indices = indices + (indices * math.ceil(pad / len(indices)))[:pad]
         return indices
 
+    def _remaining(self, indices: list) -> list:
+        rest = self._padded(indices[self.pad_base:])[self.start - self.pad_base:]
+        if len(rest) % self.num_replicas:  # never uneven shards (a position from an old format)
+            rest = self._padded(indices[self.start:])
+        return rest
+
     def __iter__(self) -> Iterator[int]:
-        indices = self._padded(self._epoch_indices()[self.start:])
-        self.start = 0
+        indices = self._remaining(self._epoch_indices())
+        self.start = self.pad_base = 0
         return iter(indices[self.rank::self.num_replicas])
 
     def __len__(self) -> int:
-        return len(self._padded(list(range(max(0, len(self.dataset) - self.start))))) // \
-            self.num_replicas  # type: ignore[arg-type]
+        n = len(self.dataset)  # type: ignore[arg-type]
+        return len(self._remaining(list(range(n)))) // self.num_replicas
 
 
 class ShardSampler(Sampler[int]):
@@ -183,6 +196,13 @@ class _SeededSamples(Dataset):
     def __len__(self) -> int:
         return self.length
 
+    def __getattr__(self, name: str) -> Any:
+        # The dataset's own attributes stay reachable (get_worker_info().dataset.classes ...);
+        # dunders such as __getitems__ do not: every sample is fetched (and seeded) alone.
+        if name.startswith("__") or name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
     def __getitem__(self, tagged: int) -> Any:
         epoch, index = divmod(int(tagged), self.length)
         s = sample_seed(self.seed, epoch, index)
@@ -218,6 +238,7 @@ class DistributedLoader:
         self.epoch = -1          # epoch of the pass in progress (or last finished)
         self.batches_done = 0    # batches handed out in this pass
         self._skip_samples = 0   # global samples of this epoch skipped at the start of the pass
+        self._pad_base = 0       # where this pass's padding is computed from (ResumableSampler.skip)
         self._resume: Optional[Dict[str, int]] = None
         self._loader: Optional[DataLoader] = None
         self._generator = torch.Generator()
@@ -251,14 +272,17 @@ class DistributedLoader:
         return loader
 
     def __iter__(self) -> Iterator[Any]:
-        if self._resume is not None:
-            self.epoch, self._skip_samples = self._resume["epoch"], self._resume["samples_done"]
-            self._resume = None
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self.epoch, self._skip_samples = resume["epoch"], resume["samples_done"]
+            same_world = resume.get("world_size", self.sampler.num_replicas) == \
+                self.sampler.num_replicas
+            self._pad_base = resume.get("pad_base", 0) if same_world else self._skip_samples
         else:
-            self.epoch, self._skip_samples = self.epoch + 1, 0
+            self.epoch, self._skip_samples, self._pad_base = self.epoch + 1, 0, 0
         self.batches_done, self._finished = 0, False
         self.sampler.set_epoch(self.epoch)
-        self.sampler.skip(self._samples_done)
+        self.sampler.skip(self._skip_samples, self._pad_base)
         drop = self.loader_kwargs.get("drop_last", False)
         self.pass_batches = batches_in(len(self.sampler), self.batch_size, drop)
         batches = (resident_batches(self.resident, list(self.sampler), self.batch_size, drop,
@@ -280,7 +304,28 @@ class DistributedLoader:
         """
         if self._resume is not None and self._resume["epoch"] == epoch:
             return
-        self._resume = {"epoch": epoch, "samples_done": 0}
+        if self._resume is not None and self._resume.get("restored"):
+            warnings.warn(f"set_epoch({epoch}) drops the resumed position (epoch "
+                          f"{self._resume['epoch']}, {self._resume['samples_done']} samples "
+                          "done): start the loop at ckpt.epoch (rt.checkpointer) to continue "
+                          "where the run stopped", stacklevel=2)
+        self._resume = {"epoch": epoch, "samples_done": 0, "pad_base": 0}
+
+    def end_pass(self) -> None:
+        """Count the pass as over once its last batch is handed out, though the ``for`` loop left
+        before asking for more (a ``break`` on the last step): a checkpoint saved after the
+        epoch's own end (evaluation, a per-epoch schedule) then resumes with the next epoch,
+        not with an empty pass of this one that would run that end again.
+
+        Example::
+
+            for x, y in loader:
+                ...
+                if step == max_steps: break
+            loader.end_pass()   # epoch over if that was its last batch
+        """
+        if self.epoch >= 0 and self._resume is None and self.at_last_batch:
+            self._finished = True
 
     @property
     def at_last_batch(self) -> bool:
@@ -299,14 +344,15 @@ class DistributedLoader:
 
             state = loader.state_dict()   # {'epoch': 2, 'samples_done': 2176, ...}
         """
+        world = self.sampler.num_replicas
         if self._resume is not None:
-            epoch, done = self._resume["epoch"], self._resume["samples_done"]
+            state = {k: v for k, v in self._resume.items() if k != "restored"}
         elif self._finished or self.epoch < 0:
-            epoch, done = self.epoch + 1, 0
+            state = {"epoch": self.epoch + 1, "samples_done": 0, "pad_base": 0}
         else:
-            epoch, done = self.epoch, self._samples_done
-        return {"epoch": epoch, "samples_done": done,
-                "world_size": self.sampler.num_replicas, "seed": self.seed}
+            state = {"epoch": self.epoch, "samples_done": self._samples_done,
+                     "pad_base": self._pad_base}
+        return {"pad_base": 0, "world_size": world, **state, "seed": self.seed}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Continue at ``state``'s position on the next pass, on any number of ranks.
@@ -318,7 +364,26 @@ class DistributedLoader:
         if state.get("seed", self.seed) != self.seed:
             raise ConfigError(f"checkpoint was shuffled with seed {state['seed']}, this run "
                               f"uses {self.seed}; resume with the same seed")
-        self._resume = {"epoch": int(state["epoch"]), "samples_done": int(state["samples_done"])}
+        self._resume = {"epoch": int(state["epoch"]), "samples_done": int(state["samples_done"]),
+                        "pad_base": int(state.get("pad_base", 0)),
+                        "world_size": int(state.get("world_size", self.sampler.num_replicas)),
+                        "restored": True}
+
+
+#: DataLoader arguments the loader sets itself, and why.
+_OWNED = {
+    "sampler": "it shards and shuffles with its own resumable sampler (use shuffle=, seed=, "
+               "drop_last=)",
+    "batch_sampler": "it batches its own sampler's shard (use batch_size=, drop_last=)",
+    "generator": "it seeds its DataLoader from seed= (per epoch, so a resume replays it; use seed=)",
+    "worker_init_fn": "it seeds every worker and every sample from seed= (use seed=)",
+}
+
+
+def _refuse_owned(loader_kwargs: Dict[str, Any]) -> None:
+    for key in loader_kwargs:
+        if _OWNED.get(key):
+            raise ConfigError(f"rt.loader does not take {key}=: {_OWNED[key]}")
 
 
 def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
@@ -344,9 +409,11 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
         raise ConfigError(f"number of loader workers must be >= 0, got {num_workers}")
     sampler = ResumableSampler(dataset, num_replicas=env.world_size, rank=env.rank,
                                shuffle=shuffle, seed=seed, drop_last=drop_last)
+    _refuse_owned(loader_kwargs)
     kwargs = dict(num_workers=num_workers, drop_last=drop_last, collate_fn=collate_fn,
                   persistent_workers=persistent_workers and num_workers > 0,
-                  pin_memory=device is not None and device.type == "cuda", **loader_kwargs)
+                  pin_memory=device is not None and device.type == "cuda")
+    kwargs.update(loader_kwargs)  # e.g. pin_memory=False, prefetch_factor=4
     data = choose_resident(dataset, device or torch.device("cpu"), resident) \
         if collate_fn is None or resident is True else None
     return DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)

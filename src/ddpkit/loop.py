@@ -149,11 +149,10 @@ class _Fit:
             extra={"history": self.state.history, "best": best}, every_epoch=False,
             every_steps=p.every_steps if p else 0, every_minutes=p.every_minutes if p else 0.0,
             keep=p.keep if p else 3, resume=p.resume if p else None, config=self.cfg.config)
-        if ckpt.resumed:
+        if ckpt.resumed:  # the history list was restored in place
             best = ckpt.extra["best"]
             self.state = TrainState(ckpt.epoch, ckpt.global_step, best["best"], best["best_epoch"],
-                                    list(ckpt.extra.get("history", [])))
-            ckpt.extra["history"] = self.state.history
+                                    self.state.history)
         self.start_position = (ckpt.epoch, self.loader.state_dict()["samples_done"])
         self.checkpoints = ckpt
         return ckpt
@@ -172,17 +171,13 @@ class _Fit:
                 loss = self._loss(batch)
             if self._check_every_micro_step:
                 self._check_finite(loss.detach())
-            self._window += torch.stack([loss.detach().double() * batch_size_of(batch),
-                                         self._window.new_tensor(batch_size_of(batch))])
-            if boundary and self._loss_read(self.state.step + 1):
+            n = batch_size_of(batch)
+            self._window[0] += loss.detach().double() * n  # in place: no host-to-device copy
+            self._window[1] += n
+            if boundary:  # every step, so no rank can differ (16 bytes, runs behind backward)
                 self._pending = self.rt.engine.start_all_reduce(self._window)
             self.acc.backward(loss)
         return loss.detach()
-
-    def _loss_read(self, step: int) -> bool:
-        # The same answer on every rank (the reduction is a collective): logging steps, and
-        # every step when hooks are given the metrics.
-        return step % self.cfg.log_every == 0 or bool(self.cfg.hooks)
 
     def _loss(self, batch: Any) -> torch.Tensor:
         """This micro-batch's training loss: the user's ``step``, the model's own ``.loss``
@@ -240,7 +235,11 @@ class _Fit:
     def _after_optimizer_step(self, loss_t: torch.Tensor, bar: Any) -> None:
         step = self.state.step + 1
         log_now = self.logger is not None and step % self.cfg.log_every == 0
-        loss = self._mean_loss()  # over ranks and micro-batches; nan on steps nobody reads
+        shown = getattr(bar, "disable", True) is False
+        # The mean over ranks and the step's micro-batches, read (a device sync on GPUs) only
+        # when someone looks at it; otherwise the reduction is never waited for.
+        read = log_now or shown or self.cfg.hooks or self._check_every_micro_step
+        loss = self._mean_loss() if read else float("nan")
         self._epoch_sums += self._window  # an epoch's micro-batches all end in a step
         self._window.zero_()
         if self._check_every_micro_step or log_now or self.cfg.hooks:
@@ -251,7 +250,7 @@ class _Fit:
         metrics = {"train/loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.acc.grad_norm is not None:
             metrics["train/grad_norm"] = self.acc.grad_norm
-        if getattr(bar, "disable", True) is False and math.isfinite(loss):
+        if shown and math.isfinite(loss):
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.3g}")
         if log_now:
             self.logger.log(metrics, step)
@@ -261,10 +260,7 @@ class _Fit:
         self.checkpoints.step(step)
 
     def _mean_loss(self) -> float:
-        if self._pending is None:
-            return float("nan")
         total, count = self._pending.tensor_result().tolist()
-        self._pending = None
         return total / max(count, 1.0)
 
     def _stop(self) -> bool:
@@ -292,16 +288,16 @@ class _Fit:
         return {f"eval/{k}": v for k, v in result.items()}
 
     def run(self) -> TrainState:
-        with self.rt.stops.graceful():  # SIGTERM / SIGUSR1 stop after a step, with a checkpoint
-            # On leaving without an error, a signal during the last steps or the final
-            # evaluation is still a stop (not on errors: the answer may never come).
-            with self._open_checkpoints():
-                try:
-                    return self._run()
-                except StopRequested:
-                    if self.logger is not None:
-                        self.logger.close()
-                    raise
+        # The checkpointer turns SIGTERM / SIGUSR1 into a stop after a step, with a checkpoint;
+        # on leaving without an error, a signal during the last steps or the final evaluation
+        # is still a stop (not on errors: the answer may never come).
+        with self._open_checkpoints():
+            try:
+                return self._run()
+            except StopRequested:
+                if self.logger is not None:
+                    self.logger.close()
+                raise
 
     def _run(self) -> TrainState:
         for hook in self.cfg.hooks:
@@ -309,8 +305,7 @@ class _Fit:
         while self.state.epoch < self.cfg.epochs and not self._stop():
             metrics = self.train_epoch()
             if self._stop() and not self._epoch_finished():
-                every = self.ckpt.every_steps if self.ckpt is not None else 0
-                if self.ckpt is not None and not (every and self.state.step % every == 0):
+                if self.checkpoints.saved_step != self.state.step:
                     self.save()  # stopped by max_steps mid-epoch: keep the work (unless just saved)
                 break
             self._end_epoch(metrics)
@@ -324,6 +319,7 @@ class _Fit:
         return self.loader.at_last_batch
 
     def _end_epoch(self, metrics: Dict[str, float]) -> None:
+        self.loader.end_pass()  # max_steps may have left the loop on the epoch's last batch
         self.state.epoch += 1
         every = self.cfg.eval_every
         if (every and self.state.epoch % every == 0) or self.state.epoch == self.cfg.epochs:

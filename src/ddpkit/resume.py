@@ -69,15 +69,18 @@ class Checkpointer:
     (restored in place). Writes are atomic; the newest ``keep`` are kept. FSDP models save
     shards that any world size can read.
 
+    Call :meth:`step` last in each optimizer step (after ``scheduler.step()`` and whatever else
+    the step changes), and leave the ``with`` block or call :meth:`close` when the loop ends.
+
     Example::
 
-        ckpt = rt.checkpointer("runs/x/ckpt", model=model, optimizer=opt, loader=loader,
-                               scheduler=sched, every_steps=200, extra={"best": 0.0})
-        for epoch in range(ckpt.epoch, epochs):     # resumed: continues where it stopped
-            for x, y in loader:                      # ... mid-epoch too
-                ...
-                opt.step()
-                ckpt.step()                          # saves when due; stops cleanly on SIGTERM
+        with rt.checkpointer("runs/x/ckpt", model=model, optimizer=opt, loader=loader,
+                             scheduler=sched, every_steps=200, extra={"best": 0.0}) as ckpt:
+            for epoch in range(ckpt.epoch, epochs):     # resumed: continues where it stopped
+                for x, y in loader:                      # ... mid-epoch too
+                    ...
+                    opt.step(); sched.step()
+                    ckpt.step()                          # saves when due; stops on SIGTERM
     """
 
     def __init__(self, rt: Any, directory: Optional[Union[str, Path]], *, model: nn.Module,
@@ -88,6 +91,8 @@ class Checkpointer:
                  resume: Optional[Union[str, Path]] = "auto",
                  config: Optional[Mapping[str, Any]] = None) -> None:
         _check_options(every_steps, every_minutes, keep, extra)
+        _check_parts(model, loader)
+        _check_same_on_every_rank(directory)
         self.rt, self.model, self.optimizer, self.loader = rt, model, optimizer, loader
         self.parts = {"scheduler": scheduler, "scaler": scaler, "precision": precision}
         self.directory = None if directory is None else Path(directory).expanduser()
@@ -97,7 +102,8 @@ class Checkpointer:
         self.extra: Dict[str, Any] = dict(extra or {})
         self.global_step = 0          #: optimizer steps done (restored on resume)
         self.resumed: Optional[str] = None   #: the checkpoint this run resumed from, if any
-        self.last_saved: Optional[Path] = None
+        self.last_saved: Optional[Path] = None   #: the newest checkpoint written (rank 0)
+        self.saved_step: Optional[int] = None    #: the step it holds, on every rank
         self._epoch = 0               # without a loader: the epoch a resumed checkpoint names
         self._last_save_time = time.monotonic()
         self._started, self._first_step, self._stop_every = time.monotonic(), 0, 1
@@ -142,7 +148,7 @@ class Checkpointer:
         saved = self.save() if due else None
         signum = self.rt.stops.poll(self.rt.engine) if self._stop_question_due() else None
         if signum is not None:
-            self.stop(signum, saved if due else None, saved_now=due)
+            self.stop(signum, saved, saved_now=due)
         return saved
 
     def _due(self) -> bool:
@@ -218,7 +224,7 @@ class Checkpointer:
         path = save_checkpoint(self.state_dict(shards), self.directory, self.global_step,
                                self.keep)
         self._last_save_time = time.monotonic()
-        self.last_saved = path
+        self.last_saved, self.saved_step = path, self.global_step
         return path
 
     def state_dict(self, shards: Optional[str] = None) -> Dict[str, Any]:
@@ -230,6 +236,7 @@ class Checkpointer:
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
         loader = self.loader.state_dict() if self.loader is not None else None
         parts = {k: v.state_dict() if v is not None else None for k, v in self.parts.items()}
+        _check_extra_names(self.extra)  # names may have been added since
         extras = {k: v.state_dict() if _stateful(v) else v for k, v in self.extra.items()}
         progress = {"epoch": self.epoch, "step": self.global_step, "mid_epoch": self.mid_epoch}
         return {**weights, **parts, **extras, "loader": loader, "progress": progress,
@@ -286,11 +293,16 @@ class Checkpointer:
         for name, part in self.parts.items():
             if part is not None and ckpt.get(name) is not None:
                 part.load_state_dict(ckpt[name])
-        for name in ckpt.get("extra_names", ()):
-            if _stateful(self.extra.get(name)):
-                self.extra[name].load_state_dict(ckpt[name])
+        saved = _saved_extras(ckpt)
+        for name, value in saved.items():
+            current = self.extra.get(name)
+            if _stateful(current):
+                current.load_state_dict(value)
+            elif type(current) is type(value) and isinstance(value, (list, dict)):
+                current.clear()  # in place: the script may hold this very list or dict
+                (current.extend if isinstance(value, list) else current.update)(value)
             else:
-                self.extra[name] = ckpt[name]
+                self.extra[name] = value
 
     def _load_position(self, ckpt: Dict[str, Any]) -> None:
         progress = ckpt["progress"]
@@ -316,6 +328,17 @@ def _next_position(loader: Dict[str, Any], progress: Dict[str, Any]) -> Dict[str
     return loader
 
 
+def _saved_extras(ckpt: Dict[str, Any]) -> Dict[str, Any]:
+    if "extra_names" in ckpt:
+        return {name: ckpt[name] for name in ckpt["extra_names"]}
+    # Written by fit before the Checkpointer: its history, and the best metric in "progress".
+    progress = ckpt.get("progress", {})
+    legacy = {"history": ckpt["history"]} if "history" in ckpt else {}
+    if "best" in progress:
+        legacy["best"] = {"best": progress["best"], "best_epoch": progress.get("best_epoch")}
+    return legacy
+
+
 def _stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and \
         callable(getattr(value, "load_state_dict", None))
@@ -329,7 +352,29 @@ def _check_options(every_steps: Any, every_minutes: Any, keep: Any,
         raise ConfigError(f"every_minutes must be a number >= 0 (0: off), got {every_minutes!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ConfigError(f"keep must be an integer >= 1 (checkpoints to keep), got {keep!r}")
-    clash = sorted(set(extra or {}) & _RESERVED)
+    _check_extra_names(extra or {})
+
+
+def _check_extra_names(extra: Mapping[str, Any]) -> None:
+    clash = sorted(set(extra) & _RESERVED)
     if clash:
         raise ConfigError(f"extra names {clash} are taken by the checkpoint itself; rename them "
                           f"(reserved: {', '.join(sorted(_RESERVED))})")
+
+
+def _check_parts(model: Any, loader: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model= must be the nn.Module you train, got {type(model).__name__}")
+    if loader is not None and not all(hasattr(loader, a) for a in
+                                      ("state_dict", "load_state_dict", "at_last_batch")):
+        raise ConfigError(f"loader= must be a loader from rt.loader(...) (it knows its place in "
+                          f"the epoch), got {type(loader).__name__}; build it with rt.loader, or "
+                          "leave loader= out and keep the position in extra=")
+
+
+def _check_same_on_every_rank(directory: Any) -> None:
+    # Saving and resuming are collectives: a directory on rank 0 only would hang the others.
+    given = comm.gather_object(directory is not None)
+    if len(set(given)) > 1:
+        raise ConfigError("rt.checkpointer(directory=...) was given on some ranks and None on "
+                          "others; give the same directory on every rank (rank 0 alone writes)")

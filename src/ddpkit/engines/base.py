@@ -188,7 +188,7 @@ class Engine:
             loss_sum, count = pending.tensor_result().tolist()
         """
         if not self._group():
-            return Reduction(None, tensor)
+            return Reduction(None, tensor.detach().clone())
         work = tensor.detach().to(self._comm_device(), copy=True)
         handle = tdist.all_reduce(work, op=_TORCH_OPS[op], async_op=True)
         return Reduction(handle, work, self.world_size() if op == "mean" else 1)
