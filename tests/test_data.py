@@ -434,3 +434,25 @@ def test_set_epoch_of_another_epoch_after_a_restore_warns_that_the_position_is_d
     b.load_state_dict(a.state_dict())
     with pytest.warns(UserWarning, match="drops the resumed position .epoch 0, 4 samples done"):
         b.set_epoch(3)
+
+
+def test_a_script_with_loader_workers_exits_and_its_workers_leave_the_launchers_group():
+    # Workers sit in their own process group (a launcher's SIGTERM to the rank's group must not
+    # kill them before the rank saves), yet a script ends as usual: the parent stops them.
+    import subprocess
+    import sys
+    script = (
+        "import os, torch\n"
+        "from torch.utils.data import Dataset\n"
+        "from ddpkit.data import make_loader\n"
+        "from ddpkit.env import ClusterEnv\n"
+        "class D(Dataset):\n"
+        "    def __len__(self): return 64\n"
+        "    def __getitem__(self, i): return torch.tensor([os.getpgid(0), os.getpid()])\n"
+        "loader = make_loader(D(), 8, ClusterEnv(), num_workers=2)\n"
+        "groups = {int(g) for b in loader for g in b[:, 0]}\n"
+        "assert os.getpgid(0) not in groups and len(groups) == 2, groups\n"
+        "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
