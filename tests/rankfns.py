@@ -173,7 +173,7 @@ class _LossSeen(ddpkit.Hook):
         self.seen.append(metrics["train/loss"])
 
 
-def fit_reported_loss(accum: int):
+def fit_reported_loss(accum: int, hooks_on_rank0_only: bool = False):
     """What a Hook and the metrics log receive as train/loss, beside every micro-batch's local
     (loss, samples) on this rank: an uneven dataset (the last batch is smaller on one rank)."""
     rt = ddpkit.setup(seed=0)
@@ -189,7 +189,8 @@ def fit_reported_loss(accum: int):
         return loss
 
     hook = _LossSeen()
+    hooks = [hook] if rt.is_main or not hooks_on_rank0_only else []  # a logger on rank 0, say
     ddpkit.fit(
         rt, model, torch.optim.SGD(model.parameters(), lr=0.1), rt.loader(data, 8, shuffle=False),
-        epochs=1, loss_fn=loss_fn, accum_steps=accum, hooks=[hook], progress=False)
+        epochs=1, loss_fn=loss_fn, accum_steps=accum, hooks=hooks, progress=False)
     return {"seen": comm.gather_object(hook.seen), "local": comm.gather_object(local)}

@@ -166,11 +166,14 @@ def test_ranks_leaving_right_after_a_collective_exit_cleanly():
                 f"attempt {attempt}, rank {rank} exited with {proc.returncode}: {err[-2000:]}"
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_hooks_get_the_loss_as_the_mean_over_ranks_and_micro_batches(accum):
-    out = ddpkit.launch(rankfns.fit_reported_loss, 2, accum, timeout=120)
+@pytest.mark.parametrize("accum,rank0_only", [(1, False), (2, False), (1, True)])
+def test_hooks_get_the_loss_as_the_mean_over_ranks_and_micro_batches(accum, rank0_only):
+    out = ddpkit.launch(rankfns.fit_reported_loss, 2, accum, rank0_only, timeout=120)
     seen, local = out["seen"], out["local"]  # per rank: each step's reported loss; each
-    assert seen[0] == seen[1]                # micro-batch's (local mean loss, samples)
+    if rank0_only:                           # micro-batch's (local mean loss, samples)
+        assert seen[1] == []
+        seen = [seen[0], seen[0]]
+    assert seen[0] == seen[1]
     assert len(seen[0]) == -(-3 // accum)    # 22 samples, 4 a rank a step: 3 micro-batches
     for step, reported in enumerate(seen[0]):
         micro = [pair for rank in local for pair in rank[step * accum:(step + 1) * accum]]

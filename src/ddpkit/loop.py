@@ -137,6 +137,7 @@ class _Fit:
         self._window = torch.zeros(2, dtype=torch.float64, device=rt.device)
         self._epoch_sums = torch.zeros_like(self._window)  # the epoch's windows, added up
         self._pending: Any = None
+        self._hooks_anywhere = False  # settled by every rank when the run starts
 
     # ------------------------------------------------------------------ checkpoints
     def _open_checkpoints(self) -> Checkpointer:
@@ -174,7 +175,7 @@ class _Fit:
             n = batch_size_of(batch)
             self._window[0] += loss.detach().double() * n  # in place: no host-to-device copy
             self._window[1] += n
-            if boundary:  # every step, so no rank can differ (16 bytes, runs behind backward)
+            if boundary and self._loss_read(self.state.step + 1):  # runs behind backward
                 self._pending = self.rt.engine.start_all_reduce(self._window)
             self.acc.backward(loss)
         return loss.detach()
@@ -236,10 +237,9 @@ class _Fit:
         step = self.state.step + 1
         log_now = self.logger is not None and step % self.cfg.log_every == 0
         shown = getattr(bar, "disable", True) is False
-        # The mean over ranks and the step's micro-batches, read (a device sync on GPUs) only
-        # when someone looks at it; otherwise the reduction is never waited for.
-        read = log_now or shown or self.cfg.hooks or self._check_every_micro_step
-        loss = self._mean_loss() if read else float("nan")
+        # The mean over ranks and the step's micro-batches, on the steps it was reduced for
+        # (a device sync on GPUs, where someone looks at it); NaN on the others.
+        loss = self._mean_loss() if self._pending is not None else float("nan")
         self._epoch_sums += self._window  # an epoch's micro-batches all end in a step
         self._window.zero_()
         if self._check_every_micro_step or log_now or self.cfg.hooks:
@@ -259,8 +259,14 @@ class _Fit:
         # counts the step for hang reports, saves when due, stops every rank on SIGTERM
         self.checkpoints.step(step)
 
+    def _loss_read(self, step: int) -> bool:
+        # The same answer on every rank (the reduction is a collective): the logging steps
+        # (the bar shows the latest), and every step where any rank's hooks get the metrics.
+        return step % self.cfg.log_every == 0 or self._hooks_anywhere
+
     def _mean_loss(self) -> float:
         total, count = self._pending.tensor_result().tolist()
+        self._pending = None
         return total / max(count, 1.0)
 
     def _stop(self) -> bool:
@@ -300,6 +306,8 @@ class _Fit:
                 raise
 
     def _run(self) -> TrainState:
+        # Hooks on some ranks only (a logger on rank 0, say) still get the mean over ranks
+        self._hooks_anywhere = bool(comm.reduce(len(self.cfg.hooks), "max"))
         for hook in self.cfg.hooks:
             hook.on_fit_start(self)
         while self.state.epoch < self.cfg.epochs and not self._stop():
