@@ -1,7 +1,7 @@
 """Data loading for N ranks: the global batch split across ranks, epochs owned by the loader.
 
 ``DistributedLoader`` calls ``set_epoch`` itself on every new pass (it cannot be forgotten), can
-resume in the middle of an epoch, and seeds every worker of every rank differently.
+resume in the middle of an epoch, and seeds each batch its workers fetch from (seed, epoch, batch).
 """
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ class DistributedLoader:
         self._generator.manual_seed(worker_seed(self.seed, self.rank, 0, self.epoch))
         if self._loader is not None:
             return self._loader
-        # With workers, each sample is drawn from its own seed (see _SeededSamples); the
+        # With workers, each batch is drawn from its own seed (see _SeededSamples); the
         # sampler always runs in this process, so set_epoch reaches it either way, and
         # persistent workers (the default when num_workers > 0) keep serving later epochs.
         workers = self.loader_kwargs.get("num_workers", 0) > 0
@@ -389,7 +389,7 @@ _OWNED = {
                "drop_last=)",
     "batch_sampler": "it batches its own sampler's shard (use batch_size=, drop_last=)",
     "generator": "it seeds its DataLoader from seed= (per epoch, so a resume replays it; use seed=)",
-    "worker_init_fn": "it seeds every worker and every sample from seed= (use seed=)",
+    "worker_init_fn": "it seeds every worker and every batch from seed= (use seed=)",
 }
 
 

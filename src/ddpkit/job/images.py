@@ -68,7 +68,7 @@ def random_crop_flip(image: torch.Tensor, padding: int = 4) -> torch.Tensor:
     """Random crop after zero padding, then a horizontal flip with probability 1/2.
 
     Draws from torch's global RNG on purpose, as torchvision's transforms do: in loader workers
-    ddpkit seeds it per sample (run seed, epoch, sample), in the main process a resume restores
+    ddpkit seeds it per batch (run seed, epoch, batch), in the main process a resume restores
     it, so augmentation differs across samples yet replays exactly on resume.
 
     Example::
