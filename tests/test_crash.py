@@ -122,3 +122,21 @@ def test_a_timeout_names_the_ddpkit_function_the_script_called(monkeypatch):
     line = collective_timeout(info.value, info.tb)
     assert line.startswith("collective all_reduce timed out after 6 s (called at test_crash.py:")
     assert " via ddpkit.comm.reduce; gloo: Timed out waiting 6000ms" in line
+
+
+def test_a_timeout_while_waiting_for_a_reduction_started_earlier_names_it():
+    # fit starts its loss all-reduce without waiting and waits a little later (engines.Reduction)
+    import torch
+
+    from ddpkit.crash import collective_timeout
+    from ddpkit.engines.base import Reduction
+
+    class TimedOut:
+        def wait(self):
+            raise RuntimeError("[/x/gloo/transport/tcp/pair.cc:598] Timed out waiting 6000ms "
+                               "for recv operation to complete")
+
+    with pytest.raises(RuntimeError) as info:
+        Reduction(TimedOut(), torch.zeros(2)).tensor_result()
+    line = collective_timeout(info.value, info.tb)
+    assert line.startswith("collective all_reduce timed out after 6 s"), line

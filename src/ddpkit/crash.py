@@ -125,6 +125,9 @@ def _collective_site(tb: Any) -> "tuple[Optional[str], Optional[str]]":
         if frame.filename.startswith(torch_dir) and name in ("backward", "_engine_run_backward"):
             op = "gradient all-reduce in backward (DDP)"
             break
+        if frame.filename.startswith(ours) and name in ("result", "tensor_result"):
+            op = "all_reduce"  # started without waiting (engines.Reduction), waited for here
+            break
     outside = [f for f in frames if not f.filename.startswith((torch_dir, "<frozen"))]
     user = next((f for f in reversed(outside) if not f.filename.startswith(ours)), None)
     where = f"{os.path.basename(user.filename)}:{user.lineno}" if user else None

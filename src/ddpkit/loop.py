@@ -133,7 +133,7 @@ class _Fit:
         self._step_gives_sums = True  # a step returning a bare loss is not used to evaluate
         self.start_position = (0, 0)   # (epoch, global samples done in it) where this run starts
         # This optimizer step's [loss sum, samples] over its micro-batches, on the device; the
-        # reduction over ranks runs behind backward on the steps whose loss someone reads.
+        # reduction over ranks runs behind the optimizer step on the steps whose loss is read.
         self._window = torch.zeros(2, dtype=torch.float64, device=rt.device)
         self._epoch_sums = torch.zeros_like(self._window)  # the epoch's windows, added up
         self._pending: Any = None
@@ -175,9 +175,11 @@ class _Fit:
             n = batch_size_of(batch)
             self._window[0] += loss.detach().double() * n  # in place: no host-to-device copy
             self._window[1] += n
-            if boundary and self._loss_read(self.state.step + 1):  # runs behind backward
-                self._pending = self.rt.engine.start_all_reduce(self._window)
             self.acc.backward(loss)
+            # Behind the optimizer step; after backward, so that when a peer is lost DDP's own
+            # all-reduce is the collective that times out (and is named), not this one.
+            if boundary and self._loss_read(self.state.step + 1):
+                self._pending = self.rt.engine.start_all_reduce(self._window)
         return loss.detach()
 
     def _loss(self, batch: Any) -> torch.Tensor:
