@@ -85,7 +85,7 @@ def own_loop(rt, args):
                           "idx": idx.tolist()})
             x, y = rt.to_device(x, y)
             last = (i + 1) % args.accum == 0 or loader.at_last_batch
-            with contextlib.nullcontext() if last else model.no_sync():
+            with contextlib.nullcontext() if last or args.accum == 1 else model.no_sync():
                 loss = nn.functional.cross_entropy(model(x), y) / args.accum
                 loss.backward()
             if not last:
@@ -155,11 +155,13 @@ def main():
     p.add_argument("--signal", default="SIGKILL")
     p.add_argument("--attempt", type=int, default=None, help="default: the restart count")
     p.add_argument("--fit", action="store_true", help="train with ddpkit.fit instead")
+    p.add_argument("--engine", default="auto", help="ddp (auto) or fsdp")
     args = p.parse_args()
-    rt = ddpkit.setup(seed=0, deterministic=True)
+    rt = ddpkit.setup(seed=0, deterministic=True, engine=args.engine)
     model, steps, evals = (with_fit if args.fit else own_loop)(rt, args)
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+              for p in rt.unwrap(model).parameters()]  # FSDP: every rank gathers the shards
     if rt.is_main:
-        params = [p.detach().cpu().clone() for p in rt.unwrap(model).parameters()]
         torch.save({"params": params, "step": steps, "evals": evals},
                    os.path.join(args.out, "final.pt"))
     rt.shutdown()

@@ -1,7 +1,7 @@
 """A script's own loop resumes exactly (tests/own_loop_script.py): kill -9 of a random rank at a
 random step, or SIGTERM (preemption), and the run ends bitwise equal to the uninterrupted one, with
 augmentation drawing from the global RNGs, DataLoader workers, dropout, accumulation, uneven
-shards and evaluation in the middle of training; the same under ddpkit.fit.
+shards and evaluation in the middle of training; the same under ddpkit.fit, and with FSDP.
 """
 import os
 import random
@@ -21,6 +21,7 @@ CONFIGS = {  # name -> script flags
     "own-workers2-eval": ["--workers", "2", "--eval-every", "4"],
     "own-workers0-accum2": ["--workers", "0", "--accum", "2"],
     "fit-workers2": ["--fit", "--workers", "2"],
+    "own-fsdp-eval": ["--engine", "fsdp", "--workers", "0", "--eval-every", "4"],
 }
 
 
