@@ -106,7 +106,7 @@ class Checkpointer:
         self.saved_step: Optional[int] = None    #: the step it holds, on every rank
         self._epoch = 0               # without a loader: the epoch a resumed checkpoint names
         self._last_save_time = time.monotonic()
-        self._started, self._first_step, self._stop_every = time.monotonic(), 0, 1
+        self._first_step, self._stop_every = 0, 1
         self._graceful = contextlib.ExitStack()
         if self.directory is not None:  # several nodes: every one must see the checkpoints
             check_shared(self.directory, rt.env.num_nodes)

@@ -141,18 +141,19 @@ class Runtime:
         """
         return self.engine.optimizer(optimizer, model, accum_steps, compression)
 
-    def checkpointer(self, directory: Optional[str], *, model: nn.Module, **parts: Any) -> Checkpointer:
+    def checkpointer(self, directory: Optional[str], *, model: nn.Module,
+                     **parts: Any) -> Checkpointer:
         """Exact save and resume for your own loop; see :class:`~ddpkit.resume.Checkpointer`.
         Resumes at once when ``resume`` (default ``"auto"``) finds a checkpoint in ``directory``.
 
         Example::
 
-            ckpt = rt.checkpointer("runs/x/ckpt", model=model, optimizer=opt, loader=loader,
-                                   every_steps=100)
-            for epoch in range(ckpt.epoch, 10):
-                for x, y in loader:
-                    ...; opt.step()
-                    ckpt.step()       # saves when due; saves and stops on SIGTERM / SIGUSR1
+            with rt.checkpointer("runs/x/ckpt", model=model, optimizer=opt, loader=loader,
+                                 every_steps=100) as ckpt:
+                for epoch in range(ckpt.epoch, 10):
+                    for x, y in loader:
+                        ...; opt.step()
+                        ckpt.step()   # saves when due; saves and stops on SIGTERM / SIGUSR1
         """
         return Checkpointer(self, directory, model=model, **parts)
 
