@@ -309,3 +309,14 @@ def test_rng_state_survives_a_checkpoint_written_on_another_device(tmp_path):
     torch.rand(5)
     set_rng_state(loaded["rng"][0])
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_random_bytes_are_not_a_checkpoint_not_code(tmp_path):
+    # Issue 22 row 13: garbage must not read as if the file held code.
+    path = tmp_path / "ckpt-000000001.pt"
+    path.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4096)))
+    with pytest.raises(ConfigError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"{path} is not a checkpoint (unreadable: ")
+    assert "never executed" not in message and "\n" not in message

@@ -456,3 +456,14 @@ def test_a_script_with_loader_workers_exits_and_its_workers_leave_the_launchers_
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_a_loader_with_no_batch_is_one_line():
+    # Issue 22 row 6: training would otherwise "finish" at once with a loss of 0.
+    with pytest.raises(ConfigError, match="the dataset has 0 samples"):
+        make_loader(TensorDataset(torch.zeros(0, 2)), 4, _env(0, 2))
+    with pytest.raises(ConfigError, match=r"10 samples on 2 rank\(s\) with a global batch of 16 "
+                                          r"and drop_last=True give no batch; use a batch of at "
+                                          r"most 10 or drop_last=False"):
+        make_loader(TensorDataset(torch.zeros(10, 2)), 16, _env(0, 2), drop_last=True)
+    assert len(make_loader(TensorDataset(torch.zeros(10, 2)), 16, _env(0, 2))) == 1

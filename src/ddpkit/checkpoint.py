@@ -211,6 +211,8 @@ def load_checkpoint(path: PathLike, map_location: Any = None, *, verify: bool = 
     try:
         state = torch.load(path, map_location=map_location or "cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if not _names_code(exc):  # random bytes, a text file: not a pickle that wants to run code
+            raise ConfigError(_not_a_checkpoint(path, exc)) from None
         raise ConfigError(_refused(path, exc)) from None
     except PermissionError as exc:
         raise ConfigError(f"checkpoint {path} cannot be read ({exc.strerror}); "
@@ -254,6 +256,19 @@ def _short(exc: BaseException) -> str:
 
 def _unreadable(path: Path, exc: BaseException) -> str:
     return f"checkpoint {path} is unreadable (truncated or corrupted): {_short(exc)}"
+
+
+def _not_a_checkpoint(path: Path, exc: BaseException) -> str:
+    detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(exc))
+    why = detail.group(1).strip()[:120] if detail else _short(exc)
+    return (f"{path} is not a checkpoint (unreadable: neither a torch.save archive nor a pickle "
+            f"of tensors; {why}); pass a file written by save_checkpoint")
+
+
+def _names_code(exc: BaseException) -> bool:
+    """Did the safe loader stop at something the pickle asked to import or call?"""
+    text = str(exc)
+    return bool(re.search(r"GLOBAL [\w.]+|Unsupported global|REDUCE|BUILD", text))
 
 
 def _refused(path: Path, exc: BaseException) -> str:

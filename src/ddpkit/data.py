@@ -325,4 +325,16 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
     kwargs.update(loader_kwargs)  # e.g. pin_memory=False, prefetch_factor=4
     data = choose_resident(dataset, device or torch.device("cpu"), resident) \
         if collate_fn is None or resident is True else None
-    return DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)
+    loader = DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)
+    _check_not_empty(loader, len(dataset), batch_size, env.world_size)  # type: ignore[arg-type]
+    return loader
+
+
+def _check_not_empty(loader: DistributedLoader, samples: int, batch: int, world: int) -> None:
+    # Training on no batch would "finish" at once with a loss of 0: say so instead.
+    if samples == 0:
+        raise ConfigError("rt.loader: the dataset has 0 samples; check the data you pass")
+    if len(loader) == 0:
+        raise ConfigError(f"rt.loader: {samples} samples on {world} rank(s) with a global batch "
+                          f"of {batch} and drop_last=True give no batch; use a batch of at most "
+                          f"{samples // world * world or world} or drop_last=False")
