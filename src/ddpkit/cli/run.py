@@ -21,12 +21,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", default="1", help="processes per node, or 'auto' (default 1)")
     add_launch_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
-    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script", nargs="?", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
+    from ..errors import ConfigError
     from ..launch.torchrun import run
+
+    if not ns.script:
+        raise ConfigError("a script is required: ddpkit run [--nproc N] SCRIPT [ARGS...]")
 
     return run(run_config(ns, ns.script, ns.script_args, nproc=ns.nproc, module=ns.module))

@@ -86,8 +86,8 @@ def _validate(cfg: RunConfig) -> int:
         raise ConfigError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
     if cfg.rdzv_timeout is not None and cfg.rdzv_timeout < 1:
         raise ConfigError(f"--rdzv-timeout must be >= 1 second, got {cfg.rdzv_timeout:g}")
-    if not cfg.module and not os.path.isfile(cfg.script):
-        raise ConfigError(f"script {cfg.script!r} does not exist (relative to {os.getcwd()})")
+    if not cfg.module:
+        _check_script(cfg.script)
     if cfg.nnodes > 1 and not (cfg.rdzv_endpoint or cfg.master_addr):
         raise ConfigError("several nodes need a meeting point: pass --rdzv-endpoint HOST:PORT "
                           "(or --master-addr/--master-port) with the same value on every node")
@@ -97,6 +97,24 @@ def _validate(cfg: RunConfig) -> int:
             raise ConfigError(f"master port {cfg.master_port} on {host} is already in use; "
                               "choose another --master-port, or omit it to pick a free one")
     return nproc
+
+
+def _check_script(script: str) -> None:
+    """One line, before any process starts, for a script that is missing, a directory, or does
+    not compile (every rank would print the same SyntaxError)."""
+    if os.path.isdir(script):
+        raise ConfigError(f"script {script!r} is a directory; pass the training script inside it "
+                          "(a .py file), or -m for a module")
+    if not os.path.isfile(script):
+        raise ConfigError(f"script {script!r} does not exist (relative to {os.getcwd()})")
+    try:
+        with open(script, "rb") as f:
+            compile(f.read(), script, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise ConfigError(f"{script}:{exc.lineno}: SyntaxError: {exc.msg}; fix the script "
+                          "before launching it") from None
+    except (OSError, ValueError):
+        pass  # unreadable here: the ranks will say why
 
 
 def torchrun_args(cfg: RunConfig, nproc: int, extra: Sequence[str] = ()) -> List[str]:
