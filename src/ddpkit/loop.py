@@ -244,8 +244,8 @@ class _Fit:
         loss = self._mean_loss() if self._pending is not None else float("nan")
         self._epoch_sums += self._window  # an epoch's micro-batches all end in a step
         self._window.zero_()
-        if self._check_every_micro_step or log_now or self.cfg.hooks:
-            self._check_finite(loss_t)
+        if (log_now or self.cfg.hooks) and not self._check_every_micro_step:
+            self._check_finite(loss_t)  # on CPU every micro-step was checked already
         self.state.step = step
         if self.cfg.scheduler is not None and self.cfg.scheduler_interval == "step":
             self.cfg.scheduler.step()

@@ -173,9 +173,8 @@ class Engine:
             return Reduction(None, torch.tensor([float(value)], dtype=torch.float64))
         side = getattr(self, "_side", None)
         device = torch.device("cpu") if side is not None else self._comm_device()
-        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-        work = tdist.all_reduce(tensor, op=_TORCH_OPS[op], group=side, async_op=True)
-        return Reduction(work, tensor, self.world_size() if op == "mean" else 1)
+        return self._start(torch.tensor([float(value)], dtype=torch.float64, device=device), op,
+                           side)
 
     def start_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> "Reduction":
         """Start reducing a float64 tensor across ranks on the main group without waiting (on
@@ -189,9 +188,11 @@ class Engine:
         """
         if not self._group():
             return Reduction(None, tensor.detach().clone())
-        work = tensor.detach().to(self._comm_device(), copy=True)
-        handle = tdist.all_reduce(work, op=_TORCH_OPS[op], async_op=True)
-        return Reduction(handle, work, self.world_size() if op == "mean" else 1)
+        return self._start(tensor.detach().to(self._comm_device(), copy=True), op, None)
+
+    def _start(self, tensor: torch.Tensor, op: str, group: Any) -> "Reduction":
+        work = tdist.all_reduce(tensor, op=_TORCH_OPS[op], group=group, async_op=True)
+        return Reduction(work, tensor, self.world_size() if op == "mean" else 1)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         """Every rank's object, in rank order."""
