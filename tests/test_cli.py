@@ -79,7 +79,17 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
     (["train", "--data", "mnist"], "unknown dataset 'mnist'; valid datasets: "),
     (["train", "--data", "cifar10", "--data-dir", "/no/such/dir"], "/no/such/dir"),
     (["train", "--batch-size", "64", "--accum-steps", "5"], "--accum-steps 5 cannot split"),
-    (["train", "--batch-size", "63"], "not divisible by world size 2"),
+    (["train", "--batch-size", "63"],
+     "--batch-size 63 cannot be split evenly over 2 processes; use --batch-size 62 or 64"),
+    (["train", "--master-port", "70000"], "--master-port must be between 1 and 65535, got 70000"),
+    (["train", "--timeout-s", "0"], "--timeout-s must be > 0, got 0.0"),
+    (["train", "--eval-batch-size", "0"], "--eval-batch-size must be >= 1, got 0"),
+    (["train", "--ckpt-keep", "0"], "--ckpt-keep must be >= 1, got 0"),
+    (["run", "--master-port", "0", "examples/train_ddpkit.py"],
+     "--master-port must be between 1 and 65535"),
+    (["run", "--nnodes", "0", "examples/train_ddpkit.py"], "--nnodes must be >= 1, got 0"),
+    (["train", "--data", "synthetic", "--synthetic-samples", "1", "--batch-size", "4"],
+     "use --synthetic-samples 2 or more, or --nproc 1"),
     (["train", "--precision", "fp16"], "fp16 needs a CUDA device"),
     (["train", "--sync-bn"], "--sync-bn needs GPUs"),
     (["train", "--strategy", "dp", "--nproc", "2"], "use --nproc 1"),
@@ -92,6 +102,7 @@ def test_bad_input_gives_one_error_line(args, message):
     lines = error_lines(res.stderr)
     assert len(lines) == 1 and message in lines[0], res.stderr
     assert "Traceback" not in res.stderr
+    assert "resolved config" not in res.stdout, "refused before anything is written or started"
 
 
 def test_busy_master_port_is_reported():
@@ -210,3 +221,62 @@ def test_train_resume_auto_and_bad_checkpoints(tmp_path):
 
     res = ddpkit("train", "--resume", str(tmp_path / "nope.pt"), timeout=60)
     assert res.returncode == 2 and "does not exist" in error_lines(res.stderr)[0]
+
+
+# ----------------------------------------------------------------------------- issue 22
+
+def test_wrapping_twice_is_one_line_from_rank_0(tmp_path):
+    script = tmp_path / "wrap_twice.py"
+    script.write_text("import torch, ddpkit\nrt = ddpkit.setup()\nnet = torch.nn.Linear(2, 2)\n"
+                      "model = rt.wrap(net)\nmodel = rt.wrap(model)\n")
+    res = ddpkit("run", "--nproc", "2", str(script))
+    assert res.returncode == 2, res.stderr
+    assert error_lines(res.stderr) == [
+        "error: rt.wrap was already called on this Linear (it returned a "
+        "DistributedDataParallel): wrap a model once and keep using what rt.wrap returned; for "
+        "a second copy (a teacher, an EMA) wrap copy.deepcopy(rt.unwrap(model))"], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_max_steps_inside_an_epoch_and_skipped_steps_end_like_any_run(tmp_path):
+    """Rows 8 and 11: a run stopped by --max-steps mid-epoch evaluates, prints its final line
+    and writes results.json; skipped non-finite steps are counted there and in the epoch line."""
+    out = tmp_path / "run"
+    res = ddpkit("train", "--nproc", "2", "--max-steps", "30", "--skip-nonfinite", "--lr", "1e4",
+                 "--output", str(out))
+    assert res.returncode == 0, res.stderr
+    epochs = [line for line in res.stdout.splitlines() if line.startswith("epoch ")]
+    assert "(max_steps reached at step 30; epoch 2 not finished)" in epochs[-1]
+    assert "steps (NaN/inf gradients)" in epochs[-1], epochs
+    assert "final: top-1" in res.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["steps"] == 30 and results["final"]["epoch"] == 2
+    assert "eval/top1" in results["final"]
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    per_epoch = [h["train/skipped_steps"] for h in history if "train/skipped_steps" in h]
+    assert results["skipped_steps"] == sum(per_epoch) > 0
+
+
+def test_a_copied_run_resumes_from_itself_and_another_model_is_refused_before_writing(tmp_path):
+    """Rows 9 and 10: the copy of a run directory resumes from and writes to itself (the
+    original untouched); resuming with another --model is one line and config.json is kept."""
+    original, copy = tmp_path / "run", tmp_path / "copy"
+    res = ddpkit("train", "--nproc", "2", "--max-steps", "30", "--output", str(original))
+    assert res.returncode == 0, res.stderr
+    import shutil
+    shutil.copytree(original, copy)
+    before = {p.name: p.read_bytes() for p in original.rglob("*") if p.is_file()}
+    res = ddpkit("train", "--config", str(copy / "config.json"), "--resume", "auto",
+                 "--max-steps", "40")
+    assert res.returncode == 0, res.stderr
+    assert f"resumed from {copy}/checkpoints/ckpt-000000030.pt" in res.stdout
+    assert (copy / "checkpoints" / "ckpt-000000040.pt").is_file()
+    assert {p.name: p.read_bytes() for p in original.rglob("*") if p.is_file()} == before
+    config = (copy / "config.json").read_bytes()
+    res = ddpkit("train", "--config", str(copy / "config.json"), "--resume", "auto",
+                 "--model", "resnet18")
+    assert res.returncode == 2
+    lines = error_lines(res.stderr)
+    assert len(lines) == 1 and "was written with --model small_cnn, but this run asks for " \
+        "--model resnet18" in lines[0], res.stderr
+    assert (copy / "config.json").read_bytes() == config

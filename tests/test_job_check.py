@@ -26,3 +26,60 @@ def test_an_image_folder_without_pillow_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"^dataset 'imagefolder' needs Pillow .* pip install "
                                           r"pillow$"):
         check_config(TrainConfig(data="imagefolder", data_dir=str(tmp_path)), 2, cuda=False)
+
+
+# ----------------------------------------------------------------------------- batch advice
+
+@pytest.mark.parametrize("samples", [1, 2, 3, 5, 7, 64, 100])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("accum", [1, 2, 3])
+def test_batch_advice_is_true_for_the_given_numbers(samples, world, accum):
+    """Every refused batch size names sizes that the same check then accepts, and no accepted
+    size is refused (issue 22, row 7: the advice used to contradict itself)."""
+    import re
+    from ddpkit.job.check import micro_batch_size
+    for batch in range(1, 2 * samples + 3):
+        cfg = TrainConfig(data="synthetic", synthetic_samples=samples, batch_size=batch,
+                          accum_steps=accum)
+        fits = batch % (world * accum) == 0 and batch <= samples
+        try:
+            micro = micro_batch_size(cfg, world, samples)
+        except ConfigError as exc:
+            assert not fits, (batch, str(exc))
+            message = str(exc)
+            if samples < world * accum:  # no batch works: the fix is more data or fewer ranks
+                assert "cannot give each of" in message
+                continue
+            advice = [int(n) for n in re.findall(r"--batch-size (\d+)", message.split("; use")[1])]
+            assert advice, message
+            for good in advice:
+                micro_batch_size(TrainConfig(data="synthetic", synthetic_samples=samples,
+                                             batch_size=good, accum_steps=accum), world, samples)
+        else:
+            assert fits and micro * world * accum == batch
+
+
+def test_one_sample_on_two_processes_says_what_would_work():
+    from ddpkit.job.check import micro_batch_size
+    with pytest.raises(ConfigError) as exc:
+        micro_batch_size(TrainConfig(data="synthetic", synthetic_samples=1, batch_size=4), 2, 1)
+    assert str(exc.value) == ("the 1 training sample of 'synthetic' cannot give each of 2 "
+                              "processes a sample: use --synthetic-samples 2 or more, or --nproc 1")
+
+
+# ----------------------------------------------------------------------------- resume checks
+
+def test_resuming_another_models_checkpoint_is_refused_before_anything_is_written(tmp_path):
+    import torch
+    from ddpkit.checkpoint import save_checkpoint
+    from ddpkit.job.check import check_resume
+    ckpts = tmp_path / "checkpoints"
+    save_checkpoint({"model": {"w": torch.zeros(2)},
+                     "config": TrainConfig(model="resnet18", output=str(tmp_path)).to_dict()},
+                    ckpts, step=5)
+    with pytest.raises(ConfigError) as exc:
+        check_resume(TrainConfig(model="small_cnn", resume="auto", output=str(tmp_path)))
+    assert "was written with --model resnet18, but this run asks for --model small_cnn" in \
+        str(exc.value)
+    check_resume(TrainConfig(model="resnet18", resume="auto", output=str(tmp_path)))  # fits
+    check_resume(TrainConfig(model="small_cnn", resume=None, output=str(tmp_path)))   # no resume

@@ -387,3 +387,54 @@ def test_yaml_exponent_without_dot_is_accepted(tmp_path):
     # PyYAML (YAML 1.1) reads 1e-3 as a string; float keys accept it anyway.
     assert merge(_write(tmp_path, "train.yaml", "lr: 1e-3\n"), {}).lr == 0.001
     assert merge(_write(tmp_path, "ok.yaml", "lr: 1.0e-3\n"), {}).lr == 0.001
+
+
+# ----------------------------------------------------------------------------- ranges (issue 22)
+
+@pytest.mark.parametrize("key,bad,message", [
+    ("timeout_s", 0, "--timeout-s must be > 0, got 0.0"),
+    ("eval_batch_size", 0, "--eval-batch-size must be >= 1, got 0"),
+    ("ckpt_keep", 0, "--ckpt-keep must be >= 1, got 0"),
+    ("batch_size", -4, "--batch-size must be >= 1, got -4"),
+    ("workers", -1, "--workers must be >= 0, got -1"),
+    ("lr", float("nan"), "--lr must be a finite number"),
+    ("clip_grad", 0.0, "--clip-grad must be > 0, got 0.0"),
+    ("max_steps", 0, "--max-steps must be >= 1, got 0"),
+])
+def test_numbers_outside_their_range_are_one_line_naming_the_flag(key, bad, message):
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({key: bad})
+    assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+
+
+def test_every_default_is_inside_its_range():
+    from ddpkit.job.config import check_ranges
+    check_ranges(TrainConfig())  # no error
+
+
+# ----------------------------------------------------------------------------- run directories
+
+def test_a_copied_run_directory_resumes_from_and_writes_to_itself(tmp_path, capsys):
+    original = tmp_path / "run"
+    (original / "checkpoints").mkdir(parents=True)
+    TrainConfig(output=str(original), epochs=3).dump(str(original / "config.json"))
+    copy = tmp_path / "copy"
+    import shutil
+    shutil.copytree(original, copy)
+    cfg = merge(str(copy / "config.json"), {"resume": "auto"})
+    assert cfg.output == str(copy) and cfg.epochs == 3
+    assert "the run was moved or copied" in capsys.readouterr().err
+    # --output given on the command line still wins
+    assert merge(str(copy / "config.json"), {"output": "elsewhere"}).output == "elsewhere"
+
+
+def test_a_run_directory_config_in_place_is_quiet_and_other_config_files_keep_their_output(
+        tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    TrainConfig(output=str(run)).dump(str(run / "config.json"))
+    assert merge(str(run / "config.json"), {}).output == str(run)
+    assert capsys.readouterr().err == ""
+    # a hand-written config.json that is not inside a run keeps its output
+    (tmp_path / "config.json").write_text(json.dumps({"output": "runs/x"}))
+    assert merge(str(tmp_path / "config.json"), {}).output == "runs/x"

@@ -1,5 +1,6 @@
 """The fit loop and evaluation in one process (multi-process behaviour: test_multiprocess.py)."""
 import json
+import math
 
 import pytest
 import torch
@@ -324,3 +325,63 @@ def test_checkpointer_restores_list_and_dict_extras_in_place(tmp_path):
     mine, info = [], {}
     again = rt.checkpointer(tmp_path, model=model(), extra={"losses": mine, "info": info})
     assert again.extra["losses"] is mine and mine == [1.0, 0.5] and info == {"lr": 0.1}
+
+
+# ----------------------------------------------------------------------------- issue 22 rows 8, 11
+
+def test_skipped_steps_are_counted_and_the_epoch_loss_is_over_the_steps_taken(capsys):
+    """Row 8: the epoch line and history count the skipped steps; the epoch loss is the mean over
+    the steps taken (it was NaN as soon as one step was skipped)."""
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    bad = data()
+    bad.tensors[0][3] = float("nan")   # batch 1 of 4 (no shuffle): one step skipped per epoch
+    state = fit(rt, net, opt, rt.loader(bad, 10, shuffle=False), epochs=2, skip_nonfinite=True,
+                progress=False)
+    assert [h["train/skipped_steps"] for h in state.history] == [1, 1]
+    assert all(math.isfinite(h["train/loss"]) for h in state.history)
+    assert [h["train/samples"] for h in state.history] == [40, 40]
+    out = capsys.readouterr().out.splitlines()
+    assert [line.endswith("skipped 1/4 steps (NaN/inf gradients)") for line in out] == [True, True]
+
+
+def test_an_epoch_with_every_step_skipped_says_so(capsys):
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    bad = data()
+    bad.tensors[0][::10] = float("nan")  # a poisoned sample in every batch of 10
+    before = [p.detach().clone() for p in net.parameters()]
+    state = fit(rt, net, opt, rt.loader(bad, 10, shuffle=False), epochs=1, skip_nonfinite=True,
+                progress=False)
+    assert state.history[0]["train/skipped_steps"] == 4
+    assert math.isnan(state.history[0]["train/loss"])  # no step was taken: no loss to report
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    err = capsys.readouterr().err
+    assert "every step of epoch 1 had NaN/inf gradients and was skipped" in err
+
+
+def test_max_steps_inside_an_epoch_ends_like_any_run(tmp_path, capsys):
+    """Row 11: the run still evaluates, prints its line and records the history entry, and a
+    resume with more steps continues the unfinished epoch."""
+    def run(max_steps):
+        rt, net = runtime(), model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        return fit(rt, net, opt, rt.loader(data(), 10), epochs=3, max_steps=max_steps,
+                   eval_data=data(8, seed=1), eval_every=0, progress=False,
+                   checkpoint=CheckpointPolicy(str(tmp_path), resume="auto"))
+    state = run(6)                    # 4 steps an epoch: stops 2 steps into epoch 2
+    assert state.step == 6 and state.epoch == 1
+    last = state.history[-1]
+    assert last["epoch"] == 2 and last["stopped_at_step"] == 6 and last["eval/count"] == 8
+    assert "(max_steps reached at step 6; epoch 2 not finished)" in capsys.readouterr().out
+    state = run(None)
+    assert [h["epoch"] for h in state.history] == [1, 2, 3] and state.step == 12
+    assert "eval/count" in state.history[-1] and "eval/count" not in state.history[1]
+
+
+def test_max_steps_at_an_epoch_end_evaluates_even_when_eval_every_is_0():
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = fit(rt, net, opt, rt.loader(data(), 10), epochs=3, max_steps=4,
+                eval_data=data(8, seed=1), eval_every=0, progress=False)
+    assert [h["epoch"] for h in state.history] == [1] and state.history[0]["eval/count"] == 8

@@ -123,3 +123,22 @@ def test_unknown_comm_hook_lists_choices():
     with pytest.raises(ConfigError) as exc:
         _register_comm_hook(None, "int8")
     assert str(exc.value) == "unknown comm hook 'int8'; choose one of fp16, bf16, powersgd"
+
+
+# ----------------------------------------------------------------------------- wrapping twice
+
+def test_wrapping_a_model_twice_is_one_config_error_at_the_call():
+    """Issue 22, row 4: a second rt.wrap used to fail at the first backward (DDP bucket views)."""
+    import copy
+    from ddpkit.runtime import Runtime
+    rt = Runtime(ClusterEnv(), CPU, None)
+    net = Net()
+    wrapped = rt.wrap(net)
+    with pytest.raises(ConfigError, match=r"rt.wrap was already called on this Net"):
+        rt.wrap(net)
+    with pytest.raises(ConfigError, match=r"already called"):
+        rt.wrap(wrapped)
+    with pytest.raises(ConfigError, match=r"already wrapped \(DataParallel around Net\)"):
+        rt.wrap(DataParallel(Net()))
+    teacher = rt.wrap(copy.deepcopy(rt.unwrap(wrapped)), "none")  # a copy is a new module
+    assert isinstance(teacher, Net) and teacher is not net

@@ -47,6 +47,7 @@ class Accumulator:
         self.clip_norm = clip_norm
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0    # optimizer steps skipped for NaN/inf gradients
+        self.skipped = False      # was the last optimizer step skipped?
         self.micro = 0            # micro-steps since the last optimizer step
         self.stepped = False      # did the last micro-step end with an optimizer step?
         self.optimizer_steps = 0
@@ -75,8 +76,9 @@ class Accumulator:
         self.stepped = boundary
         if boundary:
             with self.engine.synchronized(self.optimizer):
-                if (self.skip_nonfinite and self.precision.scaler is None
-                        and not self._grads_finite()):
+                self.skipped = (self.skip_nonfinite and self.precision.scaler is None
+                                and not self._grads_finite())
+                if self.skipped:
                     self.skipped_steps += 1   # gradients are all-reduced: every rank agrees
                 else:
                     self.grad_norm = self.precision.step(self.optimizer, self.clip_norm,

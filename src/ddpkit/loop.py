@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 from torch import nn
@@ -21,97 +21,13 @@ from .batches import (batch_size_of, channels_last, default_loss, forward, logit
 from .data import DistributedLoader
 from .errors import ConfigError, DDPKitError
 from .log import RunLogger, format_epoch, progress
+from .fitconfig import CheckpointPolicy, FitConfig, Hook
 from .precision import Precision
 from .resume import Checkpointer, TrainState
 from .runtime import Runtime
 from .stops import StopRequested
 
 __all__ = ["TrainState", "CheckpointPolicy", "FitConfig", "Hook", "fit"]
-
-
-@dataclass
-class CheckpointPolicy:
-    """Where and when to checkpoint, and what to resume from (``"auto"`` or a path).
-
-    Example::
-
-        CheckpointPolicy("runs/exp1/checkpoints", every_steps=100, resume="auto")
-    """
-
-    directory: str
-    every_steps: int = 0
-    every_minutes: float = 0.0
-    every_epoch: bool = True
-    keep: int = 3
-    resume: Optional[str] = None
-
-
-@dataclass
-class FitConfig:
-    """How :func:`fit` trains: epochs, loss, precision, accumulation, schedule, evaluation,
-    logging, checkpoints, hooks. ``ddpkit train``'s :class:`~ddpkit.job.config.TrainConfig`
-    maps onto it.
-
-    Example::
-
-        FitConfig(epochs=5, precision=Precision("bf16"), accum_steps=2, eval_data=test_set,
-                  checkpoint=CheckpointPolicy("runs/exp1/checkpoints", resume="auto"))
-        FitConfig(epochs=2, eval_data=val_tokens, eval_topk=(), perplexity=True)  # a language model
-
-    The loss is ``loss_fn(logits, targets)`` (default: cross-entropy over logits of any shape
-    ``(*, classes)``, ``-100`` targets ignored), the model's own ``.loss`` (Hugging Face models,
-    when no ``loss_fn`` is given), or ``step(model, batch)``: a loss tensor, or ``{"loss": (sum,
-    count), ...}`` whose other entries are also reported by evaluation.
-    """
-
-    epochs: int
-    loss_fn: Optional[Callable[..., torch.Tensor]] = None  # default: cross-entropy, any shape
-    step: Optional[Callable[[nn.Module, Any], Any]] = None  # model, batch -> loss or sums
-    eval_topk: Sequence[int] = (1, 5)                       # () for none
-    perplexity: bool = False                                # also exp(eval loss): language models
-    precision: Optional[Precision] = None                  # default: fp32 on the rank's device
-    accum_steps: int = 1
-    clip_norm: Optional[float] = None
-    scheduler: Any = None
-    scheduler_interval: str = "epoch"                      # or "step"
-    eval_data: Any = None
-    eval_every: int = 1
-    eval_batch_size: int = 256
-    monitor: str = "top1"                                  # eval metric that picks the best epoch
-    logger: Optional[RunLogger] = None
-    checkpoint: Optional[CheckpointPolicy] = None
-    hooks: Sequence["Hook"] = ()
-    max_steps: Optional[int] = None
-    skip_nonfinite: bool = False
-    channels_last: bool = False
-    log_every: int = 20
-    progress: bool = True
-    config: Optional[Dict[str, Any]] = None                # stored in checkpoints
-
-    def __post_init__(self) -> None:
-        if self.scheduler_interval not in ("step", "epoch"):
-            raise DDPKitError("scheduler_interval must be 'step' or 'epoch', not "
-                              f"{self.scheduler_interval!r}")
-        self.hooks = list(self.hooks)
-        self.log_every = max(1, self.log_every)
-        self.config = dict(self.config or {})
-
-
-class Hook:
-    """Override any of these to observe or extend the loop; ``loop`` is the running fit.
-
-    Example::
-
-        class PrintLR(Hook):
-            def on_epoch_end(self, loop, metrics):
-                print(loop.optimizer.param_groups[0]["lr"])
-    """
-
-    def on_fit_start(self, loop: "_Fit") -> None: ...
-    def on_batch_end(self, loop: "_Fit", batch: Any) -> None: ...
-    def on_step_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
-    def on_epoch_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
-    def on_fit_end(self, loop: "_Fit") -> None: ...
 
 
 class _Fit:
@@ -135,7 +51,9 @@ class _Fit:
         # This optimizer step's [loss sum, samples] over its micro-batches, on the device; the
         # reduction over ranks runs behind the optimizer step on the steps whose loss is read.
         self._window = torch.zeros(2, dtype=torch.float64, device=rt.device)
-        self._epoch_sums = torch.zeros_like(self._window)  # the epoch's windows, added up
+        # The epoch's [loss sum, samples] over the steps taken, and all its samples
+        self._epoch_sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+        self._epoch_steps = [0, 0]  # [optimizer steps, of them skipped (NaN/inf gradients)]
         self._pending: Any = None
         self._hooks_anywhere = False  # settled by every rank when the run starts
 
@@ -221,6 +139,7 @@ class _Fit:
         self.loader.set_epoch(self.state.epoch)  # a resume into this epoch keeps its place
         self.model.train()
         self._epoch_sums.zero_()  # on the device: no per-step sync
+        self._epoch_steps = [0, 0]
         start = time.perf_counter()
         bar = progress(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
                        self.cfg.progress, self.loader.batch_size * self.rt.world_size)
@@ -242,8 +161,13 @@ class _Fit:
         # The mean over ranks and the step's micro-batches, on the steps it was reduced for
         # (a device sync on GPUs, where someone looks at it); NaN on the others.
         loss = self._mean_loss() if self._pending is not None else float("nan")
-        self._epoch_sums += self._window  # an epoch's micro-batches all end in a step
+        # An epoch's micro-batches all end in a step; a skipped step's loss is not trained on
+        if not self.acc.skipped:
+            self._epoch_sums[:2] += self._window
+        self._epoch_sums[2] += self._window[1]
         self._window.zero_()
+        self._epoch_steps[0] += 1
+        self._epoch_steps[1] += int(self.acc.skipped)
         if (log_now or self.cfg.hooks) and not self._check_every_micro_step:
             self._check_finite(loss_t)  # on CPU every micro-step was checked already
         self.state.step = step
@@ -277,11 +201,14 @@ class _Fit:
     def _epoch_metrics(self, seconds: float) -> Dict[str, float]:
         totals = comm.reduce(self._epoch_sums, "sum")
         wall = comm.reduce(seconds, "max")  # the slowest rank sets the pace
-        count = int(totals[1])
-        steps = max(1, math.ceil(len(self.loader) / self.acc.steps))
-        return {"train/loss": float(totals[0]) / max(count, 1), "train/samples": count,
-                "train/samples_per_s": count / max(wall, 1e-9), "train/step_ms":
-                1000 * wall / steps, "train/epoch_s": wall}
+        taken, count = int(totals[1]), int(totals[2])
+        steps, skipped = self._epoch_steps
+        metrics = {"train/loss": float(totals[0]) / taken if taken else float("nan"),
+                   "train/samples": count, "train/samples_per_s": count / max(wall, 1e-9),
+                   "train/step_ms": 1000 * wall / max(steps, 1), "train/epoch_s": wall}
+        if self.cfg.skip_nonfinite:  # the same on every rank: gradients were all-reduced
+            metrics["train/skipped_steps"] = skipped
+        return metrics
 
     def evaluate(self) -> Dict[str, float]:
         if self.cfg.eval_data is None:
@@ -317,6 +244,7 @@ class _Fit:
             if self._stop() and not self._epoch_finished():
                 if self.checkpoints.saved_step != self.state.step:
                     self.save()  # stopped by max_steps mid-epoch: keep the work (unless just saved)
+                self._end_run_mid_epoch(metrics)
                 break
             self._end_epoch(metrics)
         for hook in self.cfg.hooks:
@@ -332,28 +260,50 @@ class _Fit:
         self.loader.end_pass()  # max_steps may have left the loop on the epoch's last batch
         self.state.epoch += 1
         every = self.cfg.eval_every
-        if (every and self.state.epoch % every == 0) or self.state.epoch == self.cfg.epochs:
+        last = self.state.epoch == self.cfg.epochs or self._stop()  # the run ends here
+        if (every and self.state.epoch % every == 0) or last:
             metrics.update(self.evaluate())
         if self.cfg.scheduler is not None and self.cfg.scheduler_interval == "epoch":
             self.cfg.scheduler.step()
-        self._track_best(metrics)
         metrics["epoch"] = self.state.epoch
-        self.state.history.append(metrics)
-        comm.print0(format_epoch(metrics, self.cfg.epochs))
-        if self.logger is not None:
-            self.logger.log(metrics, self.state.step)
+        self._report(metrics)
         for hook in self.cfg.hooks:
             hook.on_epoch_end(self, metrics)
         if self.ckpt is not None and self.ckpt.every_epoch:
             self.save()
 
+    def _end_run_mid_epoch(self, metrics: Dict[str, float]) -> None:
+        """``max_steps`` ended the run inside an epoch: it still ends like any other run, with
+        the final evaluation, its line and its history entry (the epoch stays unfinished, so
+        a resume with more steps continues it)."""
+        metrics.update(self.evaluate())
+        metrics["epoch"] = self.state.epoch + 1
+        metrics["stopped_at_step"] = self.state.step
+        self._report(metrics, f"  (max_steps reached at step {self.state.step}; epoch "
+                              f"{metrics['epoch']} not finished)")
+
+    def _report(self, metrics: Dict[str, float], note: str = "") -> None:
+        """The end of an epoch (or of the run): best so far, history, the epoch's line, log."""
+        self._track_best(metrics)
+        self.state.history.append(metrics)
+        steps, skipped = self._epoch_steps
+        if skipped:
+            note += f"  skipped {skipped}/{steps} steps (NaN/inf gradients)"
+        comm.print0(format_epoch(metrics, self.cfg.epochs) + note)
+        if skipped and skipped == steps:
+            comm.print0(f"warning: every step of epoch {metrics['epoch']} had NaN/inf gradients "
+                        "and was skipped: the model did not change; lower --lr or set "
+                        "--clip-grad", file=sys.stderr)
+        if self.logger is not None:
+            self.logger.log(metrics, self.state.step)
+
     def _track_best(self, metrics: Dict[str, float]) -> None:
         value = metrics.get(f"eval/{self.cfg.monitor}")
         if value is not None and (self.state.best is None or value > self.state.best):
-            self.state.best, self.state.best_epoch = value, self.state.epoch
+            self.state.best, self.state.best_epoch = value, metrics["epoch"]
             metrics["best"] = value
             if self.checkpoints is not None:
-                self.checkpoints.extra["best"] = {"best": value, "best_epoch": self.state.epoch}
+                self.checkpoints.extra["best"] = {"best": value, "best_epoch": metrics["epoch"]}
 
 
 def fit(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -10,6 +10,7 @@ import contextlib
 import os
 import sys
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any, Mapping, Optional, Sequence
 
@@ -28,7 +29,7 @@ from .hangs import Progress
 from .resume import Checkpointer
 from .seed import seed_everything, set_deterministic
 from .stops import Stops
-from .wrap import WrapOptions, compile_model, unwrap
+from .wrap import WrapOptions, check_not_wrapped, compile_model, unwrap
 
 __all__ = ["Runtime", "setup"]
 
@@ -58,6 +59,9 @@ class Runtime:
         self.engine = engine or engines.create("ddp")
         self.stops = stops or Stops()  # not installed: signals keep their default meaning
         self.progress = progress or Progress(None, env.rank, env.world_size)
+        # The user modules wrapped so far: wrapping one twice is refused at the call (weak, so
+        # a copy of a wrapped model, an EMA or a teacher, is a new module and wraps fine).
+        self._wrapped: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
     rank = property(lambda self: self.env.rank, doc="Global rank.")
     local_rank = property(lambda self: self.env.local_rank, doc="Rank on this node.")
@@ -77,11 +81,13 @@ class Runtime:
             model = rt.wrap(Net(), sync_bn=True)
             model = rt.wrap(Net(), compile=True)   # torch.compile over the DDP module
         """
+        check_not_wrapped(model, self._wrapped.get(unwrap(model)))
         engine = self.engine
         if strategy is not None and not engine.serves(strategy):
             engine = engines.create(strategy)
         opts = WrapOptions(**options)
         wrapped = engine.wrap(model, self.env, self.device, opts)
+        self._wrapped[unwrap(wrapped)] = type(wrapped).__name__
         return compile_model(wrapped, self.device, opts.compile_mode) if opts.compile else wrapped
 
     def loader(self, dataset: Dataset, batch_size: int, **kwargs: Any) -> DistributedLoader:

@@ -16,7 +16,8 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from .errors import ConfigError
 
-__all__ = ["WrapOptions", "unwrap", "compile_model", "compile_unavailable", "check_compile"]
+__all__ = ["WrapOptions", "unwrap", "check_not_wrapped", "compile_model", "compile_unavailable",
+           "check_compile"]
 
 
 @dataclass
@@ -64,6 +65,28 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def check_not_wrapped(model: nn.Module, wrapped_as: Optional[str] = None) -> None:
+    """One line for a model that is already wrapped, by ``rt.wrap`` (``wrapped_as`` names the
+    wrapper it got) or by hand: a second DDP around the same parameters breaks at the first
+    backward with an error about bucket views that names neither call.
+
+    Example::
+
+        check_not_wrapped(DistributedDataParallel(net))   # ConfigError: already wrapped
+    """
+    inner = type(unwrap(model)).__name__
+    if wrapped_as is not None:
+        raise ConfigError(f"rt.wrap was already called on this {inner} (it returned a "
+                          f"{wrapped_as}): wrap a model once and keep using what rt.wrap "
+                          "returned; for a second copy (a teacher, an EMA) wrap "
+                          "copy.deepcopy(rt.unwrap(model))")
+    if unwrap(model) is not model:
+        raise ConfigError(f"rt.wrap got a model that is already wrapped ({type(model).__name__} "
+                          f"around {inner}): wrap your plain module once, and use what rt.wrap "
+                          "returns (rt.unwrap(model) gives the plain module back, to save or "
+                          "evaluate)")
 
 
 def compile_unavailable(device: torch.device) -> Optional[str]:

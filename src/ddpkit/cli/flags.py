@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
+from ..errors import ConfigError
 from ..launch.torchrun import RunConfig
 
 __all__ = ["add_launch_flags", "run_config"]
@@ -29,6 +30,9 @@ _LAUNCH_FLAGS = (
     (("--log-dir",), dict(help="directory for per-rank logs (torchrun --log-dir)")),
     (("-v", "--verbose"), dict(action="store_true", help="show torchrun's agent logs")),
 )
+# Each number's range, checked before anything starts: (least, most), None for no bound.
+_RANGES = {"nnodes": (1, None), "node_rank": (0, None), "master_port": (1, 65535),
+           "max_restarts": (0, None), "rdzv_timeout": (0, None)}
 _FIELDS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id",
            "rdzv_timeout", "max_restarts", "iface", "log_dir", "verbose")
 
@@ -59,4 +63,18 @@ def run_config(ns: argparse.Namespace, script: str, script_args: Optional[List[s
     """
     values = {name: getattr(ns, name) for name in _FIELDS}
     values.update(fields)
+    _check_ranges(values)
     return RunConfig(script=script, script_args=list(script_args or []), **values)
+
+
+def _check_ranges(values: Dict[str, Any]) -> None:
+    for name, (least, most) in _RANGES.items():
+        value = values.get(name)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "rdzv_timeout" and value <= 0:
+            raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
+        if value < least or (most is not None and value > most):
+            bound = f"between {least} and {most}" if most is not None else f">= {least}"
+            raise ConfigError(f"{flag} must be {bound}, got {value}")

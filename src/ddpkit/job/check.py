@@ -5,23 +5,27 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
+from typing import Optional
 
 import torch
 
-from ..data import per_rank_batch_size
+from ..checkpoint import resolve_resume
 from ..engines import create as create_engine
 from ..errors import ConfigError
 from ..wrap import WrapOptions, check_compile
-from .config import TrainConfig
+from .config import TrainConfig, check_ranges
 from .datasets import ON_DISK, available_datasets, dataset_key
 from .disk_datasets import require_pil
 from .models import LANGUAGE_MODELS, available_models, is_torchvision, model_key
 
-__all__ = ["check_config", "micro_batch_size", "check_batch_fits", "known_train_size"]
+__all__ = ["check_config", "micro_batch_size", "check_batch_fits", "known_train_size",
+           "check_resume"]
 
 
-def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    """Per-rank batch of one micro-step: the global batch / (processes x accumulation steps).
+def micro_batch_size(cfg: TrainConfig, world_size: int, samples: Optional[int] = None) -> int:
+    """Per-rank batch of one micro-step: the global batch / (processes x accumulation steps);
+    one line, with sizes that work for these numbers, when there is none.
 
     Example::
 
@@ -29,21 +33,50 @@ def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
     """
     if cfg.accum_steps < 1:
         raise ConfigError(f"--accum-steps must be >= 1, got {cfg.accum_steps}")
-    per_rank = per_rank_batch_size(cfg.batch_size, world_size)
-    if per_rank % cfg.accum_steps:
-        raise ConfigError(f"--accum-steps {cfg.accum_steps} cannot split the per-process batch "
-                          f"{per_rank} (global {cfg.batch_size} / {world_size} processes); "
-                          "choose a divisor of it")
-    return per_rank // cfg.accum_steps
+    unit = world_size * cfg.accum_steps  # every micro-step gives each rank at least one sample
+    split = f"{world_size} processes" + (f" x {cfg.accum_steps} accumulation steps"
+                                         if cfg.accum_steps > 1 else "")
+    if samples is not None and samples < unit:
+        more = (f"--synthetic-samples {unit} or more" if dataset_key(cfg.data) == "synthetic"
+                else "a larger dataset")
+        most = samples // cfg.accum_steps
+        fewer = (f"--nproc {most}{' or less' if most > 1 else ''}" if most
+                 else f"--nproc 1 --accum-steps {samples}")
+        raise ConfigError(f"the {samples} training sample{'s' if samples != 1 else ''} of "
+                          f"{cfg.data!r} cannot give each of "
+                          f"{split} a sample: use {more}, or {fewer}")
+    batch = cfg.batch_size
+    if batch % unit == 0 and (samples is None or batch <= samples):
+        return batch // unit
+    if batch % unit:
+        why = f"--batch-size {batch} cannot be split evenly over {split}"
+        if cfg.accum_steps > 1 and (batch // world_size) * world_size == batch:
+            why = (f"--accum-steps {cfg.accum_steps} cannot split the per-process batch "
+                   f"{batch // world_size} (global {batch} / {world_size} processes)")
+    else:
+        why = (f"--batch-size {batch} is larger than the {samples} training samples of "
+               f"{cfg.data!r}: an epoch would be less than one full batch")
+    raise ConfigError(f"{why}; use --batch-size {_good_sizes(batch, unit, samples)}")
 
 
-def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
+def _good_sizes(batch: int, unit: int, samples: Optional[int]) -> str:
+    """The multiples of ``unit`` nearest to ``batch`` that fit in ``samples``: 'A or B', 'A'."""
+    top = samples if samples is not None else max(batch, unit) + unit
+    below = min(batch, top) // unit * unit
+    above = below + unit
+    sizes = [size for size in (below, above) if unit <= size <= top]
+    return " or ".join(str(size) for size in sizes)
+
+
+def check_config(cfg: TrainConfig, world_size: int, cuda: bool,
+                 samples: Optional[int] = None) -> None:
     """Reject impossible configurations with one clear line, before launching anything.
 
     Example::
 
         check_config(TrainConfig(model="resnet18"), world_size=2, cuda=False)
     """
+    check_ranges(cfg)  # a TrainConfig made in Python never went through config_from_dict
     if model_key(cfg.model) not in available_models() and not is_torchvision(cfg.model):
         raise ConfigError(f"unknown model {cfg.model!r}; valid models: "
                           f"{', '.join(available_models())}, or torchvision:NAME")
@@ -59,8 +92,6 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
         raise ConfigError(f"model {cfg.model!r} takes token sequences, use --data text" if language
                           else f"--data text needs a language model: use --model "
                                f"{LANGUAGE_MODELS[0]} (model {cfg.model!r} takes images)")
-    if cfg.context < 1:
-        raise ConfigError(f"--context must be >= 1, got {cfg.context}")
     # Optional packages the request needs: named here, before any worker starts.
     if key == "imagefolder":
         require_pil()
@@ -84,14 +115,10 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
                           "--device-data off or auto")
     if cfg.compile:
         check_compile(torch.device("cuda" if cuda and cfg.accelerator != "cpu" else "cpu"))
-    if cfg.epochs < 1:
-        raise ConfigError(f"--epochs must be >= 1, got {cfg.epochs}")
-    if cfg.lr <= 0:
-        raise ConfigError(f"--lr must be > 0, got {cfg.lr}")
     if cfg.resume not in (None, "", "auto") and not os.path.exists(cfg.resume):
         raise ConfigError(f"--resume {cfg.resume!r} does not exist; give a checkpoint file, a "
                           "directory of checkpoints, or 'auto'")
-    micro_batch_size(cfg, world_size)
+    micro_batch_size(cfg, world_size, samples)
 
 
 def known_train_size(cfg: TrainConfig) -> int | None:
@@ -112,14 +139,42 @@ def known_train_size(cfg: TrainConfig) -> int | None:
     return None
 
 
-def check_batch_fits(cfg: TrainConfig, samples: int) -> None:
-    """One line if the global batch is larger than the training set.
+def check_batch_fits(cfg: TrainConfig, samples: int, world_size: int = 1) -> None:
+    """One line if no batch of ``cfg`` fits ``samples`` training samples on ``world_size``
+    processes (larger than the data, or fewer samples than processes), with sizes that fit.
 
     Example::
 
         check_batch_fits(TrainConfig(batch_size=4096), samples=1438)   # ConfigError
     """
-    if cfg.batch_size > samples:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {samples} training "
-                          f"samples of {cfg.data!r}: an epoch would be less than one full batch; "
-                          f"use --batch-size {samples} or less")
+    micro_batch_size(cfg, world_size, samples)
+
+
+# The keys that decide what a checkpoint's weights and data position mean.
+_RUN_KEYS = ("model", "data", "context")
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """One line, before anything is written, when ``cfg.resume`` points at a checkpoint of
+    another run (another model or dataset): resuming it would fail on every rank after the
+    run directory's config had already been replaced.
+
+    Example::
+
+        check_resume(TrainConfig(model="small_cnn", resume="auto", output="runs/resnet"))
+    """
+    if not cfg.resume:
+        return
+    with warnings.catch_warnings():  # torn checkpoints are skipped (and said) by the workers
+        warnings.simplefilter("ignore")
+        found = resolve_resume(cfg.resume, os.path.join(cfg.output, "checkpoints"))
+    saved = (found[1].get("config") or {}) if found else {}
+    if not isinstance(saved, dict):
+        return
+    differ = [k for k in _RUN_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    if differ:
+        theirs = " ".join(f"--{k} {saved[k]}" for k in differ)
+        ours = " ".join(f"--{k} {getattr(cfg, k)}" for k in differ)
+        raise ConfigError(f"--resume {cfg.resume}: checkpoint {found[0]} was written with "
+                          f"{theirs}, but this run asks for {ours}; resume with {theirs} (or "
+                          f"--config of that run), or start this one in another --output")

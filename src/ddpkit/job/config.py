@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import json
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Union
@@ -18,11 +19,14 @@ from ..engines.ddp import COMM_HOOKS
 from ..errors import ConfigError
 
 __all__ = ["TrainConfig", "load_config_file", "merge", "config_from_dict", "field_type",
-           "parse_nproc"]
+           "parse_nproc", "check_ranges", "run_directory_of"]
 
 
-def _opt(default: Any, help: str, choices: Optional[tuple] = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(default: Any, help: str, choices: Optional[tuple] = None, least: Any = None,
+         above: Any = None) -> Any:
+    """A field with its help, its choices and its range: ``least`` (>=) or ``above`` (>)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "least": least,
+                                            "above": above})
 
 
 @dataclass
@@ -42,32 +46,33 @@ class TrainConfig:
                          STRATEGIES)
     backend: Optional[str] = _opt(None, "process group backend (default: nccl on GPU, gloo on CPU)")
     accelerator: str = _opt("auto", "device type", ("auto", "cpu", "cuda"))
-    timeout_s: float = _opt(600.0, "collective timeout in seconds")
+    timeout_s: float = _opt(600.0, "collective timeout in seconds", above=0)
     # model and data
     model: str = _opt("small_cnn", "built-in model name (gpt: a language model for --data text) "
                                    "or torchvision:NAME")
     data: str = _opt("digits", "dataset name")
     data_dir: Optional[str] = _opt(None, "dataset root for cifar10/cifar100/imagefolder; text: "
                                          "a text file or directory (default: ddpkit's sources)")
-    context: int = _opt(128, "text: tokens (bytes) per training sequence")
-    synthetic_samples: int = _opt(2048, "training samples of the synthetic dataset")
-    image_size: int = _opt(32, "image size for imagefolder")
+    context: int = _opt(128, "text: tokens (bytes) per training sequence", least=1)
+    synthetic_samples: int = _opt(2048, "training samples of the synthetic dataset", least=1)
+    image_size: int = _opt(32, "image size for imagefolder", least=1)
     augment: bool = _opt(False, "random crop + flip (cifar, imagefolder)")
-    workers: int = _opt(0, "data-loader worker processes per rank (unused with device data)")
+    workers: int = _opt(0, "data-loader worker processes per rank (unused with device data)",
+                       least=0)
     device_data: str = _opt("auto", "keep the data on the GPU and gather batches there (auto: "
                             "when it fits in a quarter of free GPU memory; on: also on CPU)",
                             ("auto", "on", "off"))
     # optimisation
-    epochs: int = _opt(12, "training epochs")
-    batch_size: int = _opt(64, "GLOBAL batch size (split across processes)")
-    lr: float = _opt(0.05, "peak learning rate")
+    epochs: int = _opt(12, "training epochs", least=1)
+    batch_size: int = _opt(64, "GLOBAL batch size (split across processes)", least=1)
+    lr: float = _opt(0.05, "peak learning rate", above=0)
     optimizer: str = _opt("sgd", "optimizer", ("sgd", "adam", "adamw"))
-    momentum: float = _opt(0.9, "SGD momentum")
-    weight_decay: float = _opt(5e-4, "weight decay")
+    momentum: float = _opt(0.9, "SGD momentum", least=0)
+    weight_decay: float = _opt(5e-4, "weight decay", least=0)
     scheduler: str = _opt("cosine", "LR schedule (cosine and onecycle step per batch)",
                           ("none", "cosine", "step", "onecycle"))
-    accum_steps: int = _opt(1, "gradient accumulation micro-steps per optimizer step")
-    clip_grad: Optional[float] = _opt(None, "clip the gradient norm to this value")
+    accum_steps: int = _opt(1, "gradient accumulation micro-steps per optimizer step", least=1)
+    clip_grad: Optional[float] = _opt(None, "clip the gradient norm to this value", above=0)
     precision: str = _opt("fp32", "numeric precision", ("fp32", "bf16", "fp16"))
     channels_last: bool = _opt(False, "channels_last memory format for conv nets")
     compile: bool = _opt(False, "torch.compile the model (needs a C++ compiler on CPU, triton "
@@ -79,20 +84,20 @@ class TrainConfig:
                                     COMM_HOOKS)
     find_unused_parameters: bool = _opt(False, "DDP find_unused_parameters")
     skip_nonfinite: bool = _opt(False, "skip optimizer steps with NaN/inf gradients instead of stopping")
-    max_steps: Optional[int] = _opt(None, "stop after this many optimizer steps")
+    max_steps: Optional[int] = _opt(None, "stop after this many optimizer steps", least=1)
     # evaluation, logging, reproducibility
-    eval_every: int = _opt(1, "evaluate every N epochs (0: only at the end)")
-    eval_batch_size: int = _opt(256, "evaluation batch size per process")
-    seed: int = _opt(0, "random seed")
+    eval_every: int = _opt(1, "evaluate every N epochs (0: only at the end)", least=0)
+    eval_batch_size: int = _opt(256, "evaluation batch size per process", least=1)
+    seed: int = _opt(0, "random seed", least=0)
     deterministic: bool = _opt(False, "torch.use_deterministic_algorithms")
     output: str = _opt("runs/ddpkit", "run directory (config, metrics.jsonl, checkpoints)")
-    log_every: int = _opt(20, "log training metrics every N optimizer steps")
+    log_every: int = _opt(20, "log training metrics every N optimizer steps", least=1)
     progress: bool = _opt(True, "progress bar on rank 0 when stderr is a terminal")
     # checkpoints and resume
     resume: Optional[str] = _opt(None, "'auto' (latest valid checkpoint in the run dir) or a path")
-    ckpt_every_steps: int = _opt(0, "checkpoint every N optimizer steps (0: off)")
-    ckpt_every_minutes: float = _opt(0.0, "checkpoint every N minutes (0: off)")
-    ckpt_keep: int = _opt(3, "checkpoints to keep")
+    ckpt_every_steps: int = _opt(0, "checkpoint every N optimizer steps (0: off)", least=0)
+    ckpt_every_minutes: float = _opt(0.0, "checkpoint every N minutes (0: off)", least=0)
+    ckpt_keep: int = _opt(3, "checkpoints to keep", least=1)
     ckpt_every_epoch: bool = _opt(True, "checkpoint at the end of every epoch")
 
     def to_dict(self) -> Dict[str, Any]:
@@ -188,7 +193,30 @@ def config_from_dict(values: Mapping[str, Any], base: Optional[TrainConfig] = No
         if choices and value is not None and value not in choices:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
         clean[key] = value
-    return dataclasses.replace(base or TrainConfig(), **clean)
+    cfg = dataclasses.replace(base or TrainConfig(), **clean)
+    check_ranges(cfg)
+    return cfg
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """One line for the first number outside its field's range (``--ckpt-keep 0``, say), so it
+    is refused before any process starts, not after an epoch.
+
+    Example::
+
+        check_ranges(TrainConfig(eval_batch_size=0))   # ConfigError: --eval-batch-size ...
+    """
+    for f in dataclasses.fields(TrainConfig):
+        value, least, above = getattr(cfg, f.name), f.metadata.get("least"), f.metadata.get("above")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue  # None (not set) or a parsed value (nproc)
+        flag = "--" + f.name.replace("_", "-")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{flag} must be a finite number, got {value}")
+        if least is not None and value < least:
+            raise ConfigError(f"{flag} must be >= {least}, got {value} ({f.metadata['help']})")
+        if above is not None and value <= above:
+            raise ConfigError(f"{flag} must be > {above}, got {value} ({f.metadata['help']})")
 
 
 def load_config_file(path: str) -> Dict[str, Any]:
@@ -240,5 +268,32 @@ def merge(file_path: Optional[str], flags: Mapping[str, Any]) -> TrainConfig:
 
         cfg = merge("train.yaml", {"epochs": 2})
     """
-    cfg = config_from_dict(load_config_file(file_path)) if file_path else TrainConfig()
+    values = load_config_file(file_path) if file_path else {}
+    folder = run_directory_of(file_path) if file_path else None
+    if folder is not None and "output" not in flags:
+        recorded = values.get("output")
+        if recorded is None or os.path.realpath(str(recorded)) != os.path.realpath(folder):
+            print(f"note: {file_path} lies in the run directory {folder} (its output says "
+                  f"{recorded}): the run was moved or copied, so it resumes from and writes to "
+                  f"{folder}", file=sys.stderr, flush=True)
+        values = {**values, "output": folder}
+    cfg = config_from_dict(values) if file_path else TrainConfig()
     return config_from_dict(flags, cfg)
+
+
+def run_directory_of(file_path: str) -> Optional[str]:
+    """The run directory a ``config.json`` belongs to: the folder it lies in, when that holds a
+    run (``checkpoints/`` or ``metrics.jsonl`` beside it), else None. A run directory is
+    relocatable: a copy of it resumes from, and writes to, itself.
+
+    Example::
+
+        run_directory_of("runs/demo/config.json")   # 'runs/demo'
+    """
+    if os.path.basename(file_path) != "config.json":
+        return None
+    folder = os.path.dirname(file_path) or "."
+    if os.path.isdir(os.path.join(folder, "checkpoints")) or \
+            os.path.isfile(os.path.join(folder, "metrics.jsonl")):
+        return folder
+    return None

@@ -19,7 +19,7 @@ from ..env import detect
 from ..errors import ConfigError
 from ..launch import horovodrun
 from ..launch.torchrun import RunConfig, run
-from .check import check_batch_fits, check_config, known_train_size
+from .check import check_config, check_resume, known_train_size
 from ..dist import check_gpu_sharing
 from .config import TrainConfig, parse_nproc
 
@@ -81,10 +81,8 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
     if gpus and not inside:
         check_gpu_sharing(cfg.nproc, gpus, cfg.backend)
     world = detect(os.environ).world_size if inside else cfg.nproc * launch.nnodes
-    check_config(cfg, world, gpus > 0)
-    samples = known_train_size(cfg)
-    if samples is not None:
-        check_batch_fits(cfg, samples)
+    check_config(cfg, world, gpus > 0, known_train_size(cfg))
+    check_resume(cfg)  # before the run directory's config is replaced
     path = _save(cfg)
     where = plan(cfg, launch, inside)
     if where == "here":

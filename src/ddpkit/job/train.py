@@ -62,7 +62,7 @@ def train(cfg: TrainConfig) -> TrainState:
     gpu_math(rt.device, tf32=cfg.tf32, deterministic=cfg.deterministic)
     banner(rt.env, rt.device, rt.backend)
     train_set, test_set = build_datasets(cfg)
-    check_batch_fits(cfg, len(train_set))
+    check_batch_fits(cfg, len(train_set), rt.world_size)
     model = build_wrapped_model(cfg, rt, train_set)
     # Weights were initialised identically; from here on each rank gets its own random stream,
     # so augmentation done in the main process (workers=0) differs between ranks.
@@ -91,6 +91,9 @@ def _report(cfg: TrainConfig, state: TrainState) -> None:
     last = state.history[-1]
     summary = {"final": last, "best_top1": state.best, "best_epoch": state.best_epoch,
                "steps": state.step, "epochs": state.epoch}
+    if cfg.skip_nonfinite:  # every epoch of the run, resumed ones included (kept in history)
+        summary["skipped_steps"] = sum(int(h.get("train/skipped_steps", 0))
+                                       for h in state.history)
     with open(os.path.join(cfg.output, "results.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if "eval/perplexity" in last:

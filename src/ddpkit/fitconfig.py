@@ -1,0 +1,104 @@
+"""What ``fit`` is told: ``FitConfig`` (how to train), ``CheckpointPolicy`` (where and when to
+save, what to resume) and ``Hook`` (what to call along the way). ``ddpkit.loop`` runs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .errors import DDPKitError
+from .log import RunLogger
+from .precision import Precision
+
+if TYPE_CHECKING:
+    from .loop import _Fit
+
+__all__ = ["CheckpointPolicy", "FitConfig", "Hook"]
+
+
+@dataclass
+class CheckpointPolicy:
+    """Where and when to checkpoint, and what to resume from (``"auto"`` or a path).
+
+    Example::
+
+        CheckpointPolicy("runs/exp1/checkpoints", every_steps=100, resume="auto")
+    """
+
+    directory: str
+    every_steps: int = 0
+    every_minutes: float = 0.0
+    every_epoch: bool = True
+    keep: int = 3
+    resume: Optional[str] = None
+
+
+@dataclass
+class FitConfig:
+    """How :func:`fit` trains: epochs, loss, precision, accumulation, schedule, evaluation,
+    logging, checkpoints, hooks. ``ddpkit train``'s :class:`~ddpkit.job.config.TrainConfig`
+    maps onto it.
+
+    Example::
+
+        FitConfig(epochs=5, precision=Precision("bf16"), accum_steps=2, eval_data=test_set,
+                  checkpoint=CheckpointPolicy("runs/exp1/checkpoints", resume="auto"))
+        FitConfig(epochs=2, eval_data=val_tokens, eval_topk=(), perplexity=True)  # a language model
+
+    The loss is ``loss_fn(logits, targets)`` (default: cross-entropy over logits of any shape
+    ``(*, classes)``, ``-100`` targets ignored), the model's own ``.loss`` (Hugging Face models,
+    when no ``loss_fn`` is given), or ``step(model, batch)``: a loss tensor, or ``{"loss": (sum,
+    count), ...}`` whose other entries are also reported by evaluation.
+    """
+
+    epochs: int
+    loss_fn: Optional[Callable[..., torch.Tensor]] = None  # default: cross-entropy, any shape
+    step: Optional[Callable[[nn.Module, Any], Any]] = None  # model, batch -> loss or sums
+    eval_topk: Sequence[int] = (1, 5)                       # () for none
+    perplexity: bool = False                                # also exp(eval loss): language models
+    precision: Optional[Precision] = None                  # default: fp32 on the rank's device
+    accum_steps: int = 1
+    clip_norm: Optional[float] = None
+    scheduler: Any = None
+    scheduler_interval: str = "epoch"                      # or "step"
+    eval_data: Any = None
+    eval_every: int = 1
+    eval_batch_size: int = 256
+    monitor: str = "top1"                                  # eval metric that picks the best epoch
+    logger: Optional[RunLogger] = None
+    checkpoint: Optional[CheckpointPolicy] = None
+    hooks: Sequence["Hook"] = ()
+    max_steps: Optional[int] = None
+    skip_nonfinite: bool = False
+    channels_last: bool = False
+    log_every: int = 20
+    progress: bool = True
+    config: Optional[Dict[str, Any]] = None                # stored in checkpoints
+
+    def __post_init__(self) -> None:
+        if self.scheduler_interval not in ("step", "epoch"):
+            raise DDPKitError("scheduler_interval must be 'step' or 'epoch', not "
+                              f"{self.scheduler_interval!r}")
+        self.hooks = list(self.hooks)
+        self.log_every = max(1, self.log_every)
+        self.config = dict(self.config or {})
+
+
+class Hook:
+    """Override any of these to observe or extend the loop; ``loop`` is the running fit.
+
+    Example::
+
+        class PrintLR(Hook):
+            def on_epoch_end(self, loop, metrics):
+                print(loop.optimizer.param_groups[0]["lr"])
+    """
+
+    def on_fit_start(self, loop: "_Fit") -> None: ...
+    def on_batch_end(self, loop: "_Fit", batch: Any) -> None: ...
+    def on_step_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
+    def on_epoch_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
+    def on_fit_end(self, loop: "_Fit") -> None: ...
