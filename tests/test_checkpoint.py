@@ -15,6 +15,7 @@ from ddpkit import checkpoint as ck
 from ddpkit.checkpoint import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
                                find_latest, list_checkpoints, load_checkpoint, resolve_resume,
                                save_checkpoint)
+from ddpkit.ckpt_write import SaveError
 from ddpkit.errors import ConfigError, DDPKitError
 
 import ckptfns
@@ -232,14 +233,32 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where):
         _full_disk()
     monkeypatch.setattr(*((torch, "save", partial_save) if where == "save"
                           else (os, "replace", _full_disk)))
-    with pytest.raises(DDPKitError, match=r"ckpt-000000002\.pt failed \(\[Errno 28\] No space "
-                                          r"left on device\); the previous checkpoint "
-                                          r"\S*ckpt-000000001\.pt is intact"):
+    with pytest.raises(SaveError, match=r"^no space left on the device: checkpoint "
+                                        r"\S*ckpt-000000002\.pt needs about [\d.]+ kB \([^)]+ "
+                                        r"free\); the partial write was removed and the newest "
+                                        r"intact checkpoint is \S*ckpt-000000001\.pt; "):
         save_checkpoint(state_for(2), tmp_path, 2)
     monkeypatch.undo()
     assert names(tmp_path) == ["ckpt-000000001.pt", "latest"]   # no .tmp left behind
     assert load_checkpoint(tmp_path / "ckpt-000000001.pt")["step"] == 1
     assert find_latest(tmp_path)[0].name == "ckpt-000000001.pt"
+
+
+def test_a_full_disk_at_the_pointer_keeps_the_checkpoint_just_written(tmp_path, monkeypatch):
+    save_checkpoint(state_for(1), tmp_path, 1)
+    write = ck.atomic_write
+
+    def no_room_for_the_pointer(final, *args, **kwargs):
+        if final.name == ck.LATEST:
+            _full_disk()
+        write(final, *args, **kwargs)
+    monkeypatch.setattr(ck, "atomic_write", no_room_for_the_pointer)
+    with pytest.raises(SaveError, match=r"newest intact checkpoint is \S*ckpt-000000002\.pt"):
+        save_checkpoint(state_for(2), tmp_path, 2)
+    monkeypatch.undo()
+    # The stale pointer (to step 1) is gone, so a resume finds the newest file, step 2.
+    assert names(tmp_path) == ["ckpt-000000001.pt", "ckpt-000000002.pt"]
+    assert find_latest(tmp_path)[0].name == "ckpt-000000002.pt"
 
 
 def test_state_the_safe_loader_would_refuse_is_rejected_at_save_time(tmp_path):
@@ -288,9 +307,9 @@ def test_two_ranks_one_writer_and_a_rank0_failure_reaches_both(tmp_path):
                                [None, None]]
     assert out["listing"] == [["ckpt-000000002.pt", "latest"]] * 2   # seen by both ranks
     assert out["saved_rank"] == 0
-    for error in out["errors"]:
-        assert error is not None and error.startswith("DDPKitError: saving checkpoint")
-        assert "File exists" in error
+    rank0, rank1 = out["errors"]  # rank 1 raises rank 0's finding, which rank 0 alone prints
+    assert rank0.startswith("DDPKitError: saving checkpoint") and "File exists" in rank0
+    assert rank1 == rank0.replace("DDPKitError", "SaveError", 1)
 
 
 def test_rng_state_survives_a_checkpoint_written_on_another_device(tmp_path):

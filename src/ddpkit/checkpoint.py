@@ -5,19 +5,19 @@ Loads use ``weights_only`` (a checkpoint can never run code) and verify each rec
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import re
 import warnings
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from . import comm
 from .ckpt_compat import check_compatible, check_optimizer_compatible
+from .ckpt_write import SaveError, atomic_write, disk_full, no_space, state_bytes
 from .errors import ConfigError, DDPKitError
 from .sharded import remove_shards
 
@@ -53,7 +53,9 @@ def save_checkpoint(state: Dict[str, Any], directory: PathLike, step: int,
 
     The write is atomic (temp file, fsync, rename), then the ``latest`` pointer is updated and
     checkpoints older than the newest ``keep`` are deleted. Only rank 0's arguments are used.
-    If rank 0 fails, every rank raises :class:`DDPKitError` (none is left waiting).
+    If rank 0 fails, every rank raises :class:`DDPKitError` (none is left waiting); a full disk
+    is one line (:class:`~ddpkit.ckpt_write.SaveError`, printed by rank 0 alone): the size, the
+    newest intact checkpoint and how to resume, with the partial file removed.
     Returns the new file's path on rank 0 and ``None`` on the other ranks.
 
     Example::
@@ -75,7 +77,7 @@ def save_checkpoint(state: Dict[str, Any], directory: PathLike, step: int,
     if error is not None:
         if raised is not None:
             raise raised
-        raise DDPKitError(error)
+        raise SaveError(error)  # rank 0 reports it: the others leave quietly
     comm.barrier()
     return path
 
@@ -87,16 +89,36 @@ def _save_on_main(state: Dict[str, Any], directory: Path, step: int, keep: int) 
     try:
         directory.mkdir(parents=True, exist_ok=True)
         previous = _newest(directory)
-        _atomic_write(final, lambda f: torch.save(state, f),
-                      verify=lambda tmp: _refuse_unloadable(tmp, state))
-        _atomic_write(directory / LATEST, lambda f: f.write(f"{final.name}\n".encode()))
-    except OSError as exc:
+        atomic_write(final, lambda f: torch.save(state, f),
+                     verify=lambda tmp: _refuse_unloadable(tmp, state))
+        _point_to(final)
+    except Exception as exc:  # torch's zip writer wraps a full disk's OSError in a RuntimeError
+        full = disk_full(exc)
+        if full is not None:
+            newest = final if final.is_file() else previous  # the pointer failed, not the file
+            needed = max(state_bytes(state), previous.stat().st_size if previous else 0)
+            raise SaveError(no_space(full, f"checkpoint {final}", directory, needed, newest,
+                                     keep)) from None
+        if not isinstance(exc, OSError):
+            raise
         kept = (f"the previous checkpoint {previous} is intact" if previous is not None
                 else f"there is no earlier checkpoint in {directory}")
         raise DDPKitError(f"saving checkpoint {final} failed ({exc}); {kept}; fix the cause "
                           "(disk space, permissions) before the next save") from exc
     _prune(directory, final, keep)
     return final
+
+
+def _point_to(final: Path) -> None:
+    pointer = final.parent / LATEST
+    try:
+        atomic_write(pointer, lambda f: f.write(f"{final.name}\n".encode()))
+    except OSError:
+        # A stale pointer would send a resume to an older checkpoint than the one just written:
+        # without it, resume scans for the newest.
+        with contextlib.suppress(OSError):
+            pointer.unlink()
+        raise
 
 
 def _check_save_args(state: Any, step: Any, keep: Any) -> None:
@@ -112,36 +134,6 @@ def _check_save_args(state: Any, step: Any, keep: Any) -> None:
 def _newest(directory: Path) -> Optional[Path]:
     found = list_checkpoints(directory)
     return found[-1] if found else None
-
-
-def _atomic_write(final: Path, write: Callable[[IO[bytes]], Any],
-                  verify: Optional[Callable[[Path], None]] = None) -> None:
-    # Readers see either the old file or the complete new one, never a partial write.
-    tmp = final.with_name(final.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if verify is not None:
-            verify(tmp)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(final.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; Windows cannot open a directory for fsync.
-    if os.name == "nt":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _refuse_unloadable(tmp: Path, state: Dict[str, Any]) -> None:

@@ -16,12 +16,12 @@ from torch import nn
 
 from . import comm
 from .checkpoint import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
-                         load_checkpoint, resolve_resume, save_checkpoint)
+                         checkpoint_name, load_checkpoint, resolve_resume, save_checkpoint)
 from .ckpt_compat import plain_state
 from .errors import ConfigError
 from .seed import rng_state, set_rng_state
 from .shared_dir import check_shared
-from .sharded import is_sharded, load_full_state, load_shards, save_shards
+from .sharded import is_sharded, load_full_state, load_shards, remove_shards, save_shards
 from .stops import StopRequested, signal_name
 from .wrap import unwrap
 
@@ -221,8 +221,14 @@ class Checkpointer:
         shards = None
         if is_sharded(unwrap(self.model)):  # every rank writes its shard first
             shards = save_shards(self.model, self.optimizer, self.directory, self.global_step)
-        path = save_checkpoint(self.state_dict(shards), self.directory, self.global_step,
-                               self.keep)
+        try:
+            path = save_checkpoint(self.state_dict(shards), self.directory, self.global_step,
+                                   self.keep)
+        except Exception:
+            written = self.directory / checkpoint_name(self.global_step)
+            if shards and self.rt.is_main and not written.is_file():  # shards nothing names
+                remove_shards(written)
+            raise
         self._last_save_time = time.monotonic()
         self.last_saved, self.saved_step = path, self.global_step
         return path

@@ -13,15 +13,17 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
 from . import comm
+from .ckpt_write import SaveError, disk_full, no_space, state_bytes
 from .errors import ConfigError
 
 __all__ = ["is_sharded", "shards_name", "save_shards", "load_shards", "load_full_state",
@@ -74,13 +76,64 @@ def save_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], di
         shutil.rmtree(tmp, ignore_errors=True)  # torn by an earlier crash
     comm.barrier()
     model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.save(state, storage_writer=_writer(tmp))
+    except BaseException as exc:  # DCP's CheckpointException (a BaseException), on every rank
+        _shards_failed(exc, directory, tmp, step, state)
+        raise
     comm.barrier()
     if comm.is_main():
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     comm.barrier()
     return name
+
+
+def _writer(path: Path) -> Any:
+    """DCP's file writer (as ``dcp.save(checkpoint_id=path)`` makes it), raising the bare
+    ``OSError`` of a full disk: DCP pickles each rank's error to share it, which drops the
+    ``OSError`` that torch's zip writer wraps in its own ``RuntimeError``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, *args: Any, **kwargs: Any) -> Any:
+            with _bare_disk_full():
+                return super().write_data(*args, **kwargs)
+
+        def finish(self, *args: Any, **kwargs: Any) -> None:
+            with _bare_disk_full():
+                super().finish(*args, **kwargs)
+
+    return Writer(str(path))
+
+
+@contextlib.contextmanager
+def _bare_disk_full() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        full = disk_full(exc)
+        if full is None or full is exc:
+            raise
+        raise OSError(full.errno, full.strerror, full.filename) from None
+
+
+def _shards_failed(exc: BaseException, directory: Path, tmp: Path, step: int,
+                   state: Dict[str, Any]) -> None:
+    # DCP gathers every rank's write errors and raises on every rank, so all of them are here:
+    # rank 0 removes the partial shards; a full disk becomes one line (SaveError: rank 0 prints).
+    if comm.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+    full = disk_full(exc)
+    if full is None:
+        return
+    from .checkpoint import list_checkpoints  # at call time: checkpoint imports this module
+
+    found = list_checkpoints(directory)
+    needed = state_bytes(state) * comm.world_size()  # about: every rank holds a like shard
+    raise SaveError(no_space(full, f"sharded checkpoint {directory / shards_name(step)}",
+                             directory, needed, found[-1] if found else None)) from None
 
 
 def load_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: Path) -> None:

@@ -6,22 +6,26 @@ command does.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
-from typing import Optional, Union
+from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
 from ..checkpoint import list_checkpoints
+from ..ckpt_write import RESUME_COMMAND_VAR
 from ..engines import create as create_engine
 from ..env import detect
 from ..errors import ConfigError
 from ..launch import horovodrun
+from ..launch.srun import step_task
 from ..launch.torchrun import RunConfig, run
 from .check import check_config, check_resume, known_train_size
 from ..dist import check_gpu_sharing
 from .config import TrainConfig, parse_nproc
+from .rundir import hold_run_dir
 
 __all__ = ["start", "plan", "job_nproc", "resume_hint", "WORKER"]
 
@@ -83,7 +87,14 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
     world = detect(os.environ).world_size if inside else cfg.nproc * launch.nnodes
     check_config(cfg, world, gpus > 0, known_train_size(cfg))
     check_resume(cfg)  # before the run directory's config is replaced
-    path = _save(cfg)
+    # One run per directory: refused while another holds it, held through restarts.
+    with hold_run_dir(cfg.output, lock=_holds_lock(launch, inside)):
+        path = _save(cfg)
+        with _resume_command(f"ddpkit train --config {path} --resume auto"):
+            return _launch(cfg, launch, inside, path)
+
+
+def _launch(cfg: TrainConfig, launch: RunConfig, inside: bool, path: str) -> int:
     where = plan(cfg, launch, inside)
     if where == "here":
         from .train import train  # the workers' module: imported where it runs
@@ -116,12 +127,8 @@ def resume_hint(cfg: TrainConfig, config_path: str) -> str:
 
 
 def _save(cfg: TrainConfig) -> str:
-    if os.path.exists(cfg.output) and not os.path.isdir(cfg.output):
-        raise ConfigError(f"--output {cfg.output} is a file; give a directory for the run "
-                          "(config, metrics, checkpoints)")
     path = os.path.join(cfg.output, "config.json")
     try:
-        os.makedirs(cfg.output, exist_ok=True)
         cfg.dump(path)
     except OSError as exc:  # read-only file system, no permission, disk full
         raise ConfigError(f"cannot write the run directory {cfg.output} "
@@ -129,3 +136,34 @@ def _save(cfg: TrainConfig) -> str:
     pretty = "\n".join(f"  {k}: {v}" for k, v in cfg.to_dict().items())
     print(f"resolved config (saved to {path}):\n{pretty}", flush=True)
     return path
+
+
+@contextlib.contextmanager
+def _resume_command(command: str) -> Iterator[None]:
+    # For the workers' error lines (a full disk): the command that continues this run.
+    previous = os.environ.get(RESUME_COMMAND_VAR)
+    os.environ[RESUME_COMMAND_VAR] = command
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RESUME_COMMAND_VAR, None)
+        else:
+            os.environ[RESUME_COMMAND_VAR] = previous
+
+
+def _holds_lock(launch: RunConfig, inside: bool, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process locks the run directory: exactly one process per job, or none.
+
+    Workers of an outside launcher each run this: rank 0 locks. On one node: this launcher.
+    On several: node 0's launcher (srun task 0, or ``--node-rank 0``); with a c10d endpoint and
+    no srun no node knows it is first, so none locks (the others would refuse their own job).
+    """
+    if inside:
+        return environ.get("RANK") == "0"
+    if launch.nnodes == 1:
+        return True
+    task = step_task(environ)
+    if task is not None:
+        return task == 0
+    return not launch.rdzv_endpoint and launch.node_rank == 0

@@ -1,0 +1,174 @@
+"""Writing checkpoints to disk: atomic files, and one line when the disk is full.
+
+A full disk surfaces deep inside ``torch.save`` as an ``OSError`` followed by a ``RuntimeError``
+from its zip writer (``enforce fail at inline_container.cc``), and inside DCP (sharded saves) as
+a ``CheckpointException`` listing each rank's failure: :func:`disk_full` finds the ``OSError`` in
+any of them, and :func:`no_space` says what could not be written, what is safe, how to go on.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import IO, Any, Callable, Dict, Optional
+
+import torch
+
+from .errors import JobSetupError
+
+__all__ = ["SaveError", "atomic_write", "fsync_dir", "disk_full", "state_bytes", "no_space",
+           "resume_advice", "RESUME_COMMAND_VAR"]
+
+#: Set by ``ddpkit train`` for its workers: the command that continues the run, for error lines
+#: (the library cannot know how a user's own script is started).
+RESUME_COMMAND_VAR = "DDPKIT_RESUME_COMMAND"
+
+# The errors that mean "no room for this file" (ENOSPC; a quota; a file-size limit, ulimit -f).
+_NO_ROOM = {errno.ENOSPC: "no space left on the device",
+            errno.EDQUOT: "disk quota exceeded",
+            errno.EFBIG: "file size limit exceeded"}
+
+
+class SaveError(JobSetupError):
+    """A checkpoint could not be written. Rank 0 finds it and tells every rank; every rank raises
+    it, and only rank 0 prints it (the others leave quietly, status 2: it is rank 0's finding).
+
+    Example::
+
+        raise SaveError("no space left on the device ...; free space, then resume with ...")
+    """
+
+
+def atomic_write(final: Path, write: Callable[[IO[bytes]], Any],
+                 verify: Optional[Callable[[Path], None]] = None) -> None:
+    """Write ``final`` through a temporary file, fsync and rename: readers see the old file or
+    the complete new one, never a partial write; on any error the temporary file is removed.
+
+    Example::
+
+        atomic_write(Path("ckpt/latest"), lambda f: f.write(b"ckpt-000000120.pt\\n"))
+    """
+    tmp = final.with_name(final.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if verify is not None:
+            verify(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a partial file would hold the very space the disk lacks
+        raise
+    fsync_dir(final.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (no-op on Windows, which cannot fsync a directory).
+
+    Example::
+
+        fsync_dir(Path("ckpt"))
+    """
+    if os.name == "nt":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_full(exc: BaseException) -> Optional[OSError]:
+    """The "no room" ``OSError`` (no space, quota, file-size limit) behind ``exc``, or None.
+
+    Looks through the causes and contexts (torch's zip writer raises its own error on top) and
+    a DCP ``CheckpointException``'s per-rank failures.
+
+    Example::
+
+        disk_full(RuntimeError("enforce fail"))   # None; with an ENOSPC in its __context__: that
+    """
+    seen, todo = set(), [exc]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OSError) and item.errno in _NO_ROOM:
+            return item
+        todo += [item.__cause__, item.__context__]
+        failures = getattr(item, "failures", None)  # DCP: {rank: exception or (exception, stack)}
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in ``state`` (each storage counted once): about a checkpoint's size.
+
+    Example::
+
+        state_bytes({"w": torch.zeros(1000)})   # 4000
+    """
+    storages: Dict[Any, int] = {}
+    todo = [state]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo += list(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo += list(item)
+        elif isinstance(item, torch.Tensor):
+            local = item.to_local() if hasattr(item, "to_local") else item  # DTensor: this shard
+            with contextlib.suppress(Exception):  # meta or exotic tensors: not counted
+                storage = local.untyped_storage()
+                storages[(local.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # unreachable
+
+
+def _free(directory: Path) -> str:
+    with contextlib.suppress(OSError):
+        return f" ({_size(shutil.disk_usage(directory).free)} free)"
+    return ""
+
+
+def no_space(err: OSError, what: str, directory: Path, needed: int,
+             newest: Optional[Path], keep: int = 1) -> str:
+    """The one line for a checkpoint that did not fit: what, how much, what is intact, what next.
+
+    Example::
+
+        no_space(OSError(28, "No space left on device"), "checkpoint ckpt/ckpt-000000012.pt",
+                 Path("ckpt"), 287_000, Path("ckpt/ckpt-000000009.pt"), keep=3)
+    """
+    kept = (f"the newest intact checkpoint is {newest}" if newest is not None
+            else "there is no earlier checkpoint")
+    fewer = f" (or keep fewer than {keep} checkpoints)" if keep > 1 else ""
+    return (f"{_NO_ROOM.get(err.errno or 0, err.strerror or str(err))}: {what} needs about "
+            f"{_size(needed)}{_free(directory)}; the partial write was removed and {kept}; "
+            f"free space{fewer}, then {resume_advice()}")
+
+
+def resume_advice() -> str:
+    """How this run continues: ``ddpkit train``'s command, or rerunning a user's own script.
+
+    Example::
+
+        resume_advice()   # 'rerun the script: resume="auto" (the default) continues from it'
+    """
+    command = os.environ.get(RESUME_COMMAND_VAR)
+    if command:
+        return f"resume with `{command}`"
+    return 'rerun the script: resume="auto" (the default) continues from the newest checkpoint'
