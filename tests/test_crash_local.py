@@ -1,5 +1,6 @@
 """Tests for ddpkit.crash on one node: ranks that fail the same way print one traceback."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -76,3 +77,50 @@ def test_ranks_that_fail_differently_print_both_tracebacks(tmp_path):
     assert "ValueError: rank zero's own problem" in res.stderr
     assert "[rank 1] KeyError: \"rank one's own problem\"" in res.stderr
     assert "failed the same way" not in res.stderr
+
+
+MID_TRAINING = """import torch
+from torch import nn
+import ddpkit
+rt = ddpkit.setup(seed=0)
+model = rt.wrap(nn.Linear(10, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(10000):
+    model(torch.randn(8, 10)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if rt.rank == 1 and step == 20:
+        raise RuntimeError("bad batch in step 20")
+"""
+STOPPED = re.compile(r"stopped: a peer process failed during a collective \((?P<why>.+)\)")
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_mid_training_leaves_only_whole_lines(tmp_path):
+    """Issue 22, row 15: the peer's line was cut at 200 characters, mid-word."""
+    res = _run(tmp_path, MID_TRAINING)
+    assert res.returncode == 1
+    lines = res.stderr.splitlines()
+    assert "[rank 1] RuntimeError: bad batch in step 20" in lines
+    assert lines[-1] == "ddpkit run: rank 1 failed (exit code 1; its error is printed above)"
+    for line in lines[:-1]:
+        stopped = STOPPED.fullmatch(line)
+        assert line.startswith("[rank 1] ") or stopped, res.stderr
+        if stopped:  # the peer's line, unless the launcher stopped it first (it may)
+            assert stopped["why"].endswith(".") and "pair.cc" not in line, line
+
+
+def test_the_peers_line_keeps_whole_sentences_of_the_error(tmp_path):
+    """The message gloo gives a rank whose peer died, through the hook (no process group)."""
+    script = tmp_path / "peer.py"
+    script.write_text(
+        "from ddpkit.crash import install_error_hook\ninstall_error_hook(0)\nraise RuntimeError("
+        "'[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+        "closed by peer [127.0.0.1]:19683. This is typically caused by a remote worker crashing."
+        " Check the logs of the remote worker before reporting an error. GLHF! x')\n")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, env=CLEAN)
+    assert res.returncode == 1
+    assert res.stderr.splitlines() == [
+        "stopped: a peer process failed during a collective (Connection closed by peer "
+        "[127.0.0.1]:19683. This is typically caused by a remote worker crashing.)"]

@@ -385,3 +385,28 @@ def test_max_steps_at_an_epoch_end_evaluates_even_when_eval_every_is_0():
     state = fit(rt, net, opt, rt.loader(data(), 10), epochs=3, max_steps=4,
                 eval_data=data(8, seed=1), eval_every=0, progress=False)
     assert [h["epoch"] for h in state.history] == [1] and state.history[0]["eval/count"] == 8
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_warning_and_training_goes_on(tmp_path, capsys):
+    """Issue 22, row 1's neighbour: /dev/full answers every write with ENOSPC."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    rt, net = runtime(), model()
+    logger = RunLogger(str(tmp_path), tensorboard=False)
+    state = fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), rt.loader(data(), 10),
+                epochs=2, logger=logger, log_every=1, progress=False)
+    assert state.step == 8 and len(state.history) == 2
+    warnings = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0]
+
+
+def test_a_full_disk_under_results_json_is_one_line_naming_what_is_safe(tmp_path):
+    from ddpkit.ckpt_write import SaveError
+    from ddpkit.job.config import TrainConfig
+    from ddpkit.job.train import _report
+    from ddpkit.resume import TrainState
+    (tmp_path / "results.json").symlink_to("/dev/full")
+    state = TrainState(1, 4, 90.0, 1, [{"epoch": 1, "train/loss": 0.5, "eval/top1": 90.0,
+                                         "eval/count": 10}])
+    with pytest.raises(SaveError, match=r"cannot write .*results.json \(No space left on device\);"
+                                        r" the run finished and its checkpoints are intact"):
+        _report(TrainConfig(output=str(tmp_path)), state)

@@ -1,5 +1,5 @@
 """When things go wrong: one error line per failure instead of a traceback per rank, collective
-timeouts named, and workers that die with their launcher.
+timeouts named. (Workers that die with their launcher: :mod:`ddpkit.stops`, re-exported here.)
 """
 from __future__ import annotations
 
@@ -18,48 +18,10 @@ from typing import Any, Optional
 import torch
 
 from .errors import DDPKitError, JobSetupError
-from .stops import quiet_exit
+from .stops import LAUNCHER_PID_VAR, die_with_launcher, quiet_exit  # noqa: F401 (re-exported)
 
 __all__ = ["install_error_hook", "collective_timeout", "is_peer_failure", "die_with_launcher",
            "failure_digest", "LAUNCHER_PID_VAR"]
-
-#: Set for the workers of ``ddpkit run``: the launcher's pid. ``ddpkit.setup`` in a worker whose
-#: parent is that process asks the kernel to kill it when the launcher dies (Linux).
-LAUNCHER_PID_VAR = "DDPKIT_LAUNCHER_PID"
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_launcher(environ: Optional[dict] = None, sig: int = signal.SIGKILL) -> bool:
-    """In a worker of ``ddpkit run``: have the kernel send ``sig`` when the launcher dies.
-
-    torchrun starts workers in their own session, so a killed launcher (``kill -9``, OOM
-    killer) leaves them running: on several nodes the job then fails only after torchrun's
-    300 s exit barrier. Applies only when ``DDPKIT_LAUNCHER_PID`` (set by ``ddpkit run``) is
-    this process's parent; a no-op returning False elsewhere (other launchers, not Linux).
-
-    Example::
-
-        die_with_launcher()   # True in a worker of `ddpkit run` on Linux
-    """
-    environ = os.environ if environ is None else environ
-    launcher = environ.get(LAUNCHER_PID_VAR, "")
-    if not sys.platform.startswith("linux") or not launcher.isdigit():
-        return False
-    if os.getppid() != int(launcher):
-        return False  # started by something else (e.g. a grandchild of the launcher)
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
-        os.kill(os.getpid(), sig)
-    return True
-
 
 _TIMEOUT_PATTERNS = (
     # gloo: "[.../unbound_buffer.cc:78] Timed out waiting 6000ms for recv operation to complete"
@@ -92,7 +54,7 @@ def collective_timeout(exc: BaseException, tb: Any = None,
     op, where = _collective_site(tb if tb is not None else exc.__traceback__)
     if op is None and match.groupdict().get("op"):
         op = match.group("op").lower()
-    detail = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0])[:160]  # no src loc
+    detail = _gist(re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0]), 160)
     if "gloo" in text.lower():
         detail = f"gloo: {detail}"
     head = (f"{'collective ' + op if op else 'a collective'} timed out after {seconds:g} s "
@@ -168,6 +130,36 @@ def is_peer_failure(exc: BaseException) -> bool:
     return any(marker in text for marker in _PEER_LOST)
 
 
+_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp):\d+\]\s*")  # [/x/gloo/pair.cc:553]
+
+
+def _gist(text: str, limit: int = 200) -> str:
+    """An error message for a one-line report: on one line, without C++ source locations, at
+    most ``limit`` characters, cut after a sentence or else between words (never inside one).
+
+    Example::
+
+        _gist("[/w/gloo/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:1968. This is "
+              "typically caused by a remote worker crashing. Check the logs ...", 60)
+        # 'Connection closed by peer [10.0.0.2]:1968.'
+    """
+    text = " ".join(_SOURCE.sub("", text).split())
+    if len(text) <= limit:
+        return text
+    head = text[:limit + 1]
+    end = max(head.rfind(". "), head.rfind("; "))
+    return head[:end + 1] if end >= limit // 3 else head[:limit - 3].rsplit(" ", 1)[0] + " ..."
+
+
+def _restart_follows() -> bool:
+    # torchrun's agent restarts the group while it has restarts left, and `ddpkit run` names the
+    # rank that failed: a peer's "stopped" line would only be noise before the restart.
+    with contextlib.suppress(ValueError):
+        return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+    return False
+
+
 def _record_root_cause(exc: BaseException, text: str) -> None:
     # torchrun's error file, in its own format, names the rank that failed first (see
     # ddpkit.launch.torchrun.run); ranks that merely lost a peer write none.
@@ -215,7 +207,9 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
                 _record_root_cause(value, "".join(traceback.format_exception(kind, value, tb)))
                 _write(f"{prefix}error: {_left_early(left, tb)}\n")
                 os._exit(1)
-            first = " ".join(str(value).split())[:200]
+            if _restart_follows():  # ddpkit run names the rank that failed, then restarts
+                os._exit(1)
+            first = _gist(str(value), 120)  # the first sentences: what happened, not advice
             _write(f"{prefix}stopped: a peer process failed during a collective ({first})\n")
             os._exit(1)
         timed_out = collective_timeout(value, tb, single_node)
@@ -301,7 +295,7 @@ def _print_once(progress: Any, rank: int, value: BaseException, text: str,
         with contextlib.suppress(Exception):
             store.set(key + "/printed", "1")
     else:
-        message = " ".join(str(value).split())[:200]
+        message = _gist(str(value))
         _write(f"rank {rank} failed the same way ({type(value).__name__}: {message})\n")
     with contextlib.suppress(Exception):
         store.add(_FAILURES, 1)

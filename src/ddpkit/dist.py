@@ -18,16 +18,26 @@ import torch
 import torch.distributed as tdist
 from torch.distributed.rendezvous import rendezvous
 
-from .env import ClusterEnv
+from .env import JOIN_TIMEOUT_VAR, ClusterEnv
 from .errors import ConfigError
 
 __all__ = ["select_device", "check_gpu_sharing", "resolve_backend", "resolve_init_method",
            "check_master_resolves",
-           "init_process_group", "shutdown", "DEFAULT_TIMEOUT"]
+           "init_process_group", "shutdown", "DEFAULT_TIMEOUT", "JOIN_TIMEOUT"]
 
 #: Collective timeout. PyTorch's default of 30 minutes turns a dead peer into half an hour of
 #: silence; 10 minutes still leaves room for a slow first-epoch data preparation.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+#: Seconds that processes no launcher vouches for (:attr:`ClusterEnv.vouched`: RANK/WORLD_SIZE
+#: often left over in a shell) wait for each other at start-up, unless ``DDPKIT_JOIN_TIMEOUT``
+#: says otherwise. A launcher's processes keep the collective timeout: its nodes may
+#: legitimately start minutes apart.
+JOIN_TIMEOUT = 60.0
+#: What to unset to run one process: every variable that makes a process a rank of a job.
+STALE_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT")
+_JOINED = "ddpkit/joined"  # how many processes have come to the store
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
@@ -116,6 +126,9 @@ def resolve_init_method(env: ClusterEnv, init_method: Optional[str] = None) -> s
         if init_method.startswith("env://") and not env.master_addr:
             raise ConfigError("init method env:// needs MASTER_ADDR and MASTER_PORT")
         return init_method
+    if (not env.master_addr or env.master_port is None) and not env.vouched:
+        raise ConfigError(_claim_failed(env, "no MASTER_ADDR/MASTER_PORT says where they meet",
+                                        late=False))
     if not env.master_addr or env.master_port is None:
         raise ConfigError(f"world size {env.world_size} needs a master address and port "
                           "(MASTER_ADDR/MASTER_PORT, or an init method such as file:///shared/f)")
@@ -186,7 +199,11 @@ def init_process_group(env: ClusterEnv, device: torch.device, backend: Optional[
     url = resolve_init_method(env, init_method)
     if env.launcher == "slurm" and url.startswith("tcp://"):
         check_master_resolves(env)  # a name that does not resolve: one line, not a long wait
-    if url == "env://" and env.restart_count > 0 and env.shared_store:
+    if init_method is None and not env.vouched:
+        store = _join_store(env, timeout)  # no launcher behind the variables: a short wait
+        tdist.init_process_group(resolved, store=store, rank=env.rank,
+                                 world_size=env.world_size, timeout=timeout)
+    elif url == "env://" and env.restart_count > 0 and env.shared_store:
         # After an elastic restart the agent's shared store still holds the previous attempt's
         # addresses; a rank reading one of those connects to a dead peer. Namespace by attempt.
         # (Without a shared store every round has a fresh one, and restart counts can differ
@@ -200,6 +217,89 @@ def init_process_group(env: ClusterEnv, device: torch.device, backend: Optional[
         tdist.init_process_group(resolved, init_method=url, timeout=timeout, **kwargs)
     _register_exit_handler()
     return resolved
+
+
+def _join_store(env: ClusterEnv, timeout: timedelta) -> tdist.Store:
+    """The store of a job no launcher vouches for, once every process has come to it.
+
+    torch's env:// waits for the others in native code, where Ctrl-C cannot reach it, for the
+    whole collective timeout, and then raises a long DistStoreError. Here each wait is a short
+    Python step, so Ctrl-C ends it at once (ddpkit.stops), and a job whose processes do not all
+    come within the join timeout ends with one line naming the variables that claimed it.
+    """
+    wait = env.join_timeout or min(JOIN_TIMEOUT, timeout.total_seconds())
+    deadline = time.monotonic() + wait
+    store = _serve(env, timeout) if env.rank == 0 else _connect(env, deadline, timeout, wait)
+    joined = _count(store, 1, env)
+    while joined < env.world_size:
+        if time.monotonic() >= deadline:
+            raise ConfigError(_claim_failed(env, f"{joined} of {env.world_size} processes "
+                                                 f"joined within {wait:g} s"))
+        time.sleep(0.1)
+        joined = _count(store, 0, env)
+    return store
+
+
+def _serve(env: ClusterEnv, timeout: timedelta) -> tdist.Store:
+    # Rank 0 serves the store (as torch's env:// does) but does not wait inside its constructor.
+    try:
+        return tdist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False)
+    except tdist.DistError:
+        raise ConfigError(_claim_failed(env, f"port {env.master_port} is already in use on "
+                                             "this machine")) from None
+
+
+def _connect(env: ClusterEnv, deadline: float, timeout: timedelta, wait: float) -> tdist.Store:
+    # A plain socket probes for rank 0 first: a TCPStore client that finds nobody logs a C++
+    # stack trace at every attempt, and blocks Ctrl-C while it retries.
+    where = f"{env.master_addr}:{env.master_port}"
+    while True:
+        try:
+            socket.create_connection((env.master_addr, env.master_port), timeout=1.0).close()
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise ConfigError(_claim_failed(env, f"no rank 0 answered at {where} within "
+                                                     f"{wait:g} s")) from None
+            time.sleep(0.2)
+    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    try:
+        store = tdist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=left,
+                               wait_for_workers=False)
+    except tdist.DistError:
+        raise ConfigError(_claim_failed(env, f"what answered at {where} is not rank 0's "
+                                             "store")) from None
+    store.set_timeout(timeout)
+    return store
+
+
+def _count(store: tdist.Store, add: int, env: ClusterEnv) -> int:
+    try:
+        return store.add(_JOINED, add)
+    except tdist.DistError:
+        raise ConfigError(_claim_failed(env, f"rank 0 at {env.master_addr}:{env.master_port} "
+                                             "went away before every process joined")) from None
+
+
+def _claim_failed(env: ClusterEnv, what: str, late: bool = True) -> str:
+    """One line: the variables that claimed a job, what did not happen, what to do (``late``:
+    and how to wait longer, where the others may just be slow to start)."""
+    claim = " ".join(f"{name}={value}" for name, value in (
+        ("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("MASTER_ADDR", env.master_addr),
+        ("MASTER_PORT", env.master_port)) if value not in (None, ""))
+    wait = (f" ({JOIN_TIMEOUT_VAR}=SECONDS waits longer for processes that start late)" if late
+            else "")
+    return (f"{claim} say this is rank {env.rank} of a job of {env.world_size}, but {what}: "
+            f"unset them (unset {' '.join(STALE_VARS)}) to run on one process, or launch with "
+            f"{_launch_hint(env.world_size)}{wait}")
+
+
+def _launch_hint(world: int) -> str:
+    script = sys.argv[0] if sys.argv else ""
+    if script.endswith(".py") and os.path.basename(script) != "__main__.py":
+        return f"ddpkit run --nproc {world} {script}"  # the user's own script, as typed
+    return f"ddpkit run --nproc {world} script.py (the built-in job: ddpkit train --nproc {world})"
 
 
 def _register_exit_handler() -> None:

@@ -12,7 +12,18 @@ from .errors import ConfigError, JobSetupError
 from .slurm_env import (first_host, parse_tasks_per_node, port_from_job_id, step_id,
                         step_tasks_per_node)
 
-__all__ = ["ClusterEnv", "detect", "spawn_env", "to_environ"]
+__all__ = ["ClusterEnv", "detect", "spawn_env", "to_environ", "JOIN_TIMEOUT_VAR"]
+
+#: Seconds processes that no launcher vouches for wait for each other at start-up (see
+#: :attr:`ClusterEnv.vouched`); ``ddpkit.dist`` uses 60 s (or less, with a shorter timeout).
+JOIN_TIMEOUT_VAR = "DDPKIT_JOIN_TIMEOUT"
+#: Set by :func:`to_environ` for the ranks of ``ddpkit.launch``: a launcher stands behind them.
+_SPAWNED_VAR = "DDPKIT_SPAWNED"
+#: Variables that say a launcher started this process with the torchrun-style ones: torchrun's
+#: agent (also ``ddpkit run``, ``torch.distributed.launch``), ``ddpkit.launch``, MPI, and
+#: Kubernetes (operators such as PyTorchJob set RANK/WORLD_SIZE; pods start minutes apart).
+_LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", _SPAWNED_VAR, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                   "PMIX_RANK", "KUBERNETES_SERVICE_HOST")
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,13 @@ class ClusterEnv:
     #: Nodes in the job when the launcher says (torchrun's GROUP_WORLD_SIZE, the srun step's
     #: node count); otherwise :attr:`num_nodes` assumes as many processes on every node.
     nodes: Optional[int] = None
+    #: False for RANK/WORLD_SIZE that no launcher stands behind (see ``_LAUNCHER_MARKS``): often
+    #: left over in a shell, so the processes get a short time to meet, not the collective
+    #: timeout (``ddpkit.dist``). True for anything built by hand (tests, custom launchers).
+    vouched: bool = True
+    #: Seconds to wait at start-up for every process to join when not :attr:`vouched`
+    #: (``DDPKIT_JOIN_TIMEOUT``); None: the default of ``ddpkit.dist``.
+    join_timeout: Optional[float] = None
 
     @property
     def is_distributed(self) -> bool:
@@ -121,7 +139,22 @@ def _from_torchrun(environ: Mapping[str, str], argv: Sequence[str]) -> ClusterEn
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         job_id=environ.get("TORCHELASTIC_RUN_ID"), nodes=_int(environ, "GROUP_WORLD_SIZE"),
         shared_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        vouched=any(environ.get(k) for k in _LAUNCHER_MARKS) or _in_slurm_step(environ),
+        join_timeout=_seconds(environ, JOIN_TIMEOUT_VAR),
     )
+
+
+def _seconds(environ: Mapping[str, str], key: str) -> Optional[float]:
+    raw = environ.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"environment variable {key}={raw!r} must be a number of seconds > 0")
+    return value
 
 
 def _in_slurm_step(environ: Mapping[str, str]) -> bool:
@@ -225,5 +258,6 @@ def to_environ(env: ClusterEnv) -> dict[str, str]:
     """
     out = {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank,
            "LOCAL_WORLD_SIZE": env.local_world_size, "GROUP_RANK": env.node_rank,
-           "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}
+           "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port,
+           _SPAWNED_VAR: 1 if env.launcher == "spawn" else None}  # vouches for the others
     return {k: str(v) for k, v in out.items() if v is not None}

@@ -4,6 +4,7 @@ Every function here is safe to call on all ranks; only rank 0 writes or prints.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -22,7 +23,9 @@ T = TypeVar("T")
 def banner(env: Any, device: torch.device, backend: Optional[str]) -> str:
     """Lightning-style start-up lines for every rank, printed once by rank 0; returns the text.
 
-    Collective: every rank must call it.
+    Printed for the first start only: after an elastic restart (``TORCHELASTIC_RESTART_COUNT``)
+    ``ddpkit run`` has said which rank failed and how, and the script says what it resumed
+    from; the same lines again would bury that. Collective: every rank must call it.
 
     Example::
 
@@ -31,14 +34,13 @@ def banner(env: Any, device: torch.device, backend: Optional[str]) -> str:
     """
     me = {"rank": env.rank, "local": env.local_rank, "node": env.node_rank, "device": str(device),
           "host": os.uname().nodename, "threads": torch.get_num_threads()}
-    everyone = comm.gather_object(me)
+    everyone = comm.gather_object(me)  # on every start: restart counts can differ by node
+    if env.restart_count:
+        return ""
     lines = [f"Initializing distributed: GLOBAL_RANK: {r['rank']}, MEMBER: {r['rank'] + 1}/"
              f"{env.world_size} (node {r['node']} {r['host']}, local rank {r['local']}, "
              f"device {r['device']}, {r['threads']} threads)" for r in everyone]
     sep = "-" * 80
-    if env.restart_count:
-        lines.append(f"Elastic restart {env.restart_count}: the group was restarted after a "
-                     "worker failure")
     lines += [sep, f"distributed_backend={backend or 'none'} launcher={env.launcher}",
               f"All distributed processes registered. Starting with {env.world_size} processes",
               sep]
@@ -77,7 +79,15 @@ class RunLogger:
         if not self.enabled or self._file is None:
             return
         record = {"step": step, "time": round(time.time(), 3), **metrics}
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as exc:  # a full disk: say so once and train on; the checkpoint says more
+            print(f"warning: cannot append to {self._file.name} ({exc.strerror or exc}): "
+                  "metrics are no longer recorded there; training goes on", file=sys.stderr,
+                  flush=True)
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -86,7 +96,8 @@ class RunLogger:
     def close(self) -> None:
         """Flush and close the files."""
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # a full disk was said when a write failed
+                self._file.close()
             self._file = None
         if self._tb is not None:
             self._tb.close()

@@ -1,6 +1,7 @@
 """Stops the user (or the cluster) asked for: Ctrl-C ends a worker quietly with 130; while
 :func:`ddpkit.fit` runs, SIGTERM and SIGUSR1 stop every rank after the same step, so it can save
 a checkpoint first (preemption); elsewhere they keep their default (end at once, quietly).
+A worker of ``ddpkit run`` also stops when its launcher dies (:func:`die_with_launcher`).
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import threading
 import time
 from typing import Any, Iterator, Optional
 
-__all__ = ["Stops", "StopRequested", "STOP_SIGNALS", "signal_name"]
+__all__ = ["Stops", "StopRequested", "STOP_SIGNALS", "signal_name", "die_with_launcher",
+           "LAUNCHER_PID_VAR"]
 
 #: The signals a worker handles. SIGINT stops at once (Ctrl-C); SIGTERM (what a launcher, Slurm
 #: or Kubernetes sends before a kill) and SIGUSR1 (Slurm's ``--signal``) stop after the step.
@@ -145,3 +147,41 @@ def quiet_exit(status: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(status)
+
+
+#: Set for the workers of ``ddpkit run``: the launcher's pid. ``ddpkit.setup`` in a worker whose
+#: parent is that process asks the kernel to kill it when the launcher dies (Linux).
+LAUNCHER_PID_VAR = "DDPKIT_LAUNCHER_PID"
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher(environ: Optional[dict] = None, sig: int = signal.SIGKILL) -> bool:
+    """In a worker of ``ddpkit run``: have the kernel send ``sig`` when the launcher dies.
+
+    torchrun starts workers in their own session, so a killed launcher (``kill -9``, OOM
+    killer) leaves them running: on several nodes the job then fails only after torchrun's
+    300 s exit barrier. Applies only when ``DDPKIT_LAUNCHER_PID`` (set by ``ddpkit run``) is
+    this process's parent; a no-op returning False elsewhere (other launchers, not Linux).
+
+    Example::
+
+        die_with_launcher()   # True in a worker of `ddpkit run` on Linux
+    """
+    environ = os.environ if environ is None else environ
+    launcher = environ.get(LAUNCHER_PID_VAR, "")
+    if not sys.platform.startswith("linux") or not launcher.isdigit():
+        return False
+    if os.getppid() != int(launcher):
+        return False  # started by something else (e.g. a grandchild of the launcher)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
+        os.kill(os.getpid(), sig)
+    return True

@@ -107,7 +107,8 @@ def build_wrapped_model(cfg: TrainConfig, rt: Runtime, train_set: Any) -> nn.Mod
 
         model = build_wrapped_model(cfg, rt, train_set)
     """
-    return replicated_model(rt, cfg.model, train_set, cfg.seed, cfg.channels_last, summary=True,
+    return replicated_model(rt, cfg.model, train_set, cfg.seed, cfg.channels_last,
+                            summary=not rt.env.restart_count,  # said once, not per restart
                             sync_bn=cfg.sync_bn, comm_hook=cfg.comm_hook,
                             find_unused_parameters=cfg.find_unused_parameters,
                             compile=cfg.compile,

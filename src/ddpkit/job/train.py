@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import comm
+from ..ckpt_write import SaveError
 from ..log import RunLogger, banner
 from ..loop import CheckpointPolicy, FitConfig, TrainState, fit
 from ..precision import Precision, gpu_math
@@ -70,15 +71,17 @@ def train(cfg: TrainConfig) -> TrainState:
     micro = micro_batch_size(cfg, rt.world_size)
     loader = rt.loader(train_set, batch_size=cfg.batch_size, per_rank_batch=micro,
                        seed=cfg.seed, num_workers=cfg.workers, resident=cfg.device_data)
-    if loader.resident is not None:
+    again = rt.env.restart_count > 0  # a restart: the launcher said why; the set-up is the same
+    if loader.resident is not None and not again:
         comm.print0(describe(loader.resident))
     # The engine's optimizer: Horovod's DistributedOptimizer (--comm-hook fp16 compresses there).
     optimizer = rt.optimizer(build_optimizer(cfg, model), model, cfg.accum_steps,
                              compression=cfg.comm_hook)
     scheduler, interval = build_scheduler(cfg, optimizer,
                                           math.ceil(len(loader) / cfg.accum_steps))
-    comm.print0(f"train: {len(train_set)} samples, test: {len(test_set)} samples, "
-                f"{len(loader)} micro-batches of {micro} per process per epoch")
+    if not again:
+        comm.print0(f"train: {len(train_set)} samples, test: {len(test_set)} samples, "
+                    f"{len(loader)} micro-batches of {micro} per process per epoch")
     state = fit(rt, model, optimizer, loader, fit_config(cfg, rt, test_set, scheduler, interval))
     _report(cfg, state)
     rt.shutdown()
@@ -94,8 +97,15 @@ def _report(cfg: TrainConfig, state: TrainState) -> None:
     if cfg.skip_nonfinite:  # every epoch of the run, resumed ones included (kept in history)
         summary["skipped_steps"] = sum(int(h.get("train/skipped_steps", 0))
                                        for h in state.history)
-    with open(os.path.join(cfg.output, "results.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    path = os.path.join(cfg.output, "results.json")
+    try:
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2)
+    except OSError as exc:  # a full disk at the very end: the run and its checkpoints are done
+        raise SaveError(f"cannot write {path} ({exc.strerror or exc}); the run finished and its "
+                        f"checkpoints are intact: free space, then `ddpkit train --config "
+                        f"{os.path.join(cfg.output, 'config.json')} --resume auto` writes it "
+                        "again") from None
     if "eval/perplexity" in last:
         print(f"final: validation loss {last['eval/loss']:.4f}, perplexity "
               f"{last['eval/perplexity']:.2f}, next-byte top-1 {last['eval/top1']:.2f}% over "

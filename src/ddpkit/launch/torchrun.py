@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -228,7 +228,7 @@ def run(cfg: RunConfig) -> int:
     previous_pid = os.environ.get(LAUNCHER_PID_VAR)
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # workers die with this process
     try:
-        with _guard(cfg, plan.is_host):
+        with _guard(cfg, plan.is_host), _naming_restarts():
             torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
     except SignalException as exc:  # the agent stopped every worker with this signal first
         return _stopped(cfg, int(exc.sigval))
@@ -265,13 +265,16 @@ def _parse(parser: Any, argv: List[str]) -> Any:
     return parser.parse_args(argv)
 
 
-def _how(failure: Any) -> str:
-    """How a worker failed, and whether its own error is above (torchrun's error file says)."""
+def _how(failure: Any, restarting: bool = False) -> str:
+    """How a worker failed, and whether its own error is above (torchrun's error file says).
+    ``restarting``: a rank that only lost a peer has said nothing (ddpkit.crash), so say so."""
     if isinstance(failure.error_file_data.get("message"), dict):
         return f"exit code {failure.exitcode}; its error is printed above"
     if failure.exitcode < 0:
         return (f"killed by {signal_name(-failure.exitcode)}; it printed no error: killed from "
                 "outside, out of memory, or a crash in native code")
+    if restarting:
+        return f"exit code {failure.exitcode}; it lost a peer on another node, or see its output"
     return f"exit code {failure.exitcode}; see its output above"
 
 
@@ -299,10 +302,53 @@ def _stopped(cfg: RunConfig, signum: int) -> int:
 
 
 def _root_cause(exc: Any) -> Any:
-    """The failure that started it: ranks that recorded an error beat those that lost a peer."""
-    recorded = {r: f for r, f in exc.failures.items()
-                if isinstance(f.error_file_data.get("message"), dict)}
-    if recorded:
-        rank = min(recorded, key=lambda r: (recorded[r].timestamp, r))
-        return rank, recorded[rank]
-    return exc.get_first_failure()
+    """The failure that started it, as (rank, failure): see :func:`_first_failure`."""
+    return _first_failure(exc.failures)
+
+
+def _first_failure(failures: dict) -> Tuple[int, Any]:
+    """Ranks that recorded an error (the earliest) beat ranks killed by a signal from outside
+    (``kill -9``, the OOM killer, a crash in native code), which beat the rest: ranks that lost
+    a peer, or that the agent itself stopped with SIGTERM once one had failed. Among equals, the
+    order the agent saw them in (its dict keeps it; timestamps are whole seconds)."""
+    def order(item: Tuple[int, Any]) -> Tuple[int, float]:
+        failure = item[1]
+        if isinstance(failure.error_file_data.get("message"), dict):
+            return 0, failure.timestamp
+        return (1 if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM else 2), 0.0
+
+    return min(failures.items(), key=order)  # min keeps the first of equals
+
+
+@contextlib.contextmanager
+def _naming_restarts() -> Iterator[None]:
+    """While the agent runs: one line each time it restarts the group after a failure, naming
+    the rank and how it failed (the agent restarts silently with its logs quiet). The agent
+    does not hand the failure to its restart, so its last observation is kept on the agent."""
+    try:
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        monitor, restart = LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers
+    except (ImportError, AttributeError):  # another torch: restarts just go unnamed
+        yield
+        return
+
+    def monitored(agent: Any, group: Any) -> Any:
+        agent._ddpkit_seen = monitor(agent, group)
+        return agent._ddpkit_seen
+
+    def restarted(agent: Any, group: Any) -> None:
+        seen = getattr(agent, "_ddpkit_seen", None)
+        if seen is not None and seen.state == WorkerState.FAILED and seen.failures:
+            rank, failure = _first_failure(seen.failures)
+            most = group.spec.max_restarts  # the agent has counted this restart already
+            print(f"ddpkit run: rank {rank} failed ({_how(failure, restarting=True)}); "
+                  f"restarting every rank (restart {most - agent._remaining_restarts} of {most})",
+                  file=sys.stderr, flush=True)
+        restart(agent, group)
+
+    LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers = monitored, restarted
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers = monitor, restart

@@ -1,0 +1,60 @@
+"""kill -9 of a rank under `ddpkit train --max-restarts 1` (issue 22, row 12): the launcher names
+the rank and how it died in one line, the restarted job says which checkpoint it resumed from,
+and the start-up banner is not printed a second time."""
+import glob
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from test_chaos import Job, _left_behind, _workers
+
+BANNER = "All distributed processes registered. Starting with 2 processes"
+
+
+def _wait_for_checkpoint(job, timeout=120):
+    """A whole checkpoint on disk (they are written to a temp file and renamed)."""
+    deadline = time.monotonic() + timeout
+    while not glob.glob(os.path.join(job.out, "checkpoints", "ckpt-*.pt")):
+        assert job.proc.poll() is None, "the job ended early:\n" + job.proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint written in time"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_kill_9_names_the_rank_and_the_restart_resumes_without_a_second_banner(tmp_path):
+    job = Job(tmp_path / "run", "--epochs", "3", "--max-restarts", "1")
+    _wait_for_checkpoint(job)
+    os.kill(_workers(job.out)[1], signal.SIGKILL)
+    out, err = job.proc.communicate(timeout=240)
+    assert job.proc.returncode == 0, err[-3000:]
+    assert err.splitlines() == [
+        "ddpkit run: rank 1 failed (killed by SIGKILL; it printed no error: killed from outside, "
+        "out of memory, or a crash in native code); restarting every rank (restart 1 of 1)"]
+    assert out.count(BANNER) == 1 and out.count("Initializing distributed: GLOBAL_RANK: 0") == 1
+    assert out.count("Total params") == 1 and out.count("\ntrain: ") == 1, out[-3000:]
+    resumed = re.findall(r"^resumed from (\S+) \(epoch \d+, step \d+\)$", out, re.M)
+    assert len(resumed) == 1 and os.path.isfile(resumed[0]), out[-2000:]
+    assert "final: top-1" in out and not _left_behind(job.out)
+
+
+def _failure(code, recorded=False, timestamp=5):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(exitcode=code, timestamp=timestamp,
+                           error_file_data={"message": {"message": "E"}} if recorded else {})
+
+
+@pytest.mark.parametrize("failures, first", [
+    ({0: _failure(1), 1: _failure(-9)}, 1),        # the killed rank, not the one that lost it
+    ({0: _failure(1), 1: _failure(-15)}, 0),       # SIGTERM: the agent stopping the rest
+    ({1: _failure(-15), 0: _failure(1)}, 1),       # then the order the agent saw them in
+    ({0: _failure(-9), 1: _failure(1, True)}, 1),  # a recorded error is the cause
+    ({1: _failure(1, True, 7), 0: _failure(1, True, 6)}, 0),  # the earliest recorded one
+])
+def test_the_failure_named_is_the_cause_not_a_consequence(failures, first):
+    from ddpkit.launch.torchrun import _first_failure
+
+    assert _first_failure(failures)[0] == first
