@@ -320,6 +320,18 @@ def _first_failure(failures: dict) -> Tuple[int, Any]:
     return min(failures.items(), key=order)  # min keeps the first of equals
 
 
+def _say_restart(agent: Any, group: Any, failed: Any) -> None:
+    seen = getattr(agent, "_ddpkit_seen", None)
+    if seen is None or seen.state != failed or not seen.failures:
+        return
+    rank, failure = _first_failure(seen.failures)
+    most = group.spec.max_restarts  # the agent has counted this restart already
+    left = getattr(agent, "_remaining_restarts", None)
+    count = f" (restart {most - left} of {most})" if isinstance(left, int) else ""
+    print(f"ddpkit run: rank {rank} failed ({_how(failure, restarting=True)}); restarting every "
+          f"rank{count}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def _naming_restarts() -> Iterator[None]:
     """While the agent runs: one line each time it restarts the group after a failure, naming
@@ -338,13 +350,8 @@ def _naming_restarts() -> Iterator[None]:
         return agent._ddpkit_seen
 
     def restarted(agent: Any, group: Any) -> None:
-        seen = getattr(agent, "_ddpkit_seen", None)
-        if seen is not None and seen.state == WorkerState.FAILED and seen.failures:
-            rank, failure = _first_failure(seen.failures)
-            most = group.spec.max_restarts  # the agent has counted this restart already
-            print(f"ddpkit run: rank {rank} failed ({_how(failure, restarting=True)}); "
-                  f"restarting every rank (restart {most - agent._remaining_restarts} of {most})",
-                  file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # naming it must never stop the restart itself
+            _say_restart(agent, group, WorkerState.FAILED)
         restart(agent, group)
 
     LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers = monitored, restarted
