@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Union
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from . import probe
 from .env import ClusterEnv
 from .errors import ConfigError
 from .loader_seeds import EpochTagged, SeededSamples, WorkerInit, sample_seed, worker_seed
@@ -93,7 +94,8 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         indices = self._remaining(self._epoch_indices())
         self.start = self.pad_base = 0
-        return iter(indices[self.rank::self.num_replicas])
+        self.last_indices = indices[self.rank::self.num_replicas]  # what ddpkit verify records
+        return iter(self.last_indices)
 
     def __len__(self) -> int:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -176,6 +178,7 @@ class DistributedLoader:
                             sampler=EpochTagged(self.sampler, n) if workers else self.sampler,
                             worker_init_fn=WorkerInit(self.seed, self.rank, self.epoch),
                             generator=self._generator, **self.loader_kwargs)
+        loader._ddpkit_owned = True  # type: ignore[attr-defined]  (not "a loader of the script's own")
         if self.loader_kwargs.get("persistent_workers"):
             self._loader = loader
         return loader
@@ -197,10 +200,19 @@ class DistributedLoader:
         batches = (resident_batches(self.resident, list(self.sampler), self.batch_size, drop,
                                     self.epoch, self.seed)
                    if self.resident is not None else self._dataloader())
+        watch = probe.active()
         for batch in batches:
             self.batches_done += 1
+            if watch is not None:  # ddpkit verify: which samples, and another reduction order
+                batch = self._watched(watch, batch)
             yield batch
         self._finished = True
+
+    def _watched(self, watch: Any, batch: Any) -> Any:
+        end = self.batches_done * self.batch_size
+        watch.batch(self.sampler.last_indices[end - self.batch_size:end],
+                    last=self.batches_done == self.pass_batches)
+        return probe.reverse_batch(batch) if watch.reverse else batch
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass epoch ``epoch``, from its start; a resume into that same epoch
@@ -327,6 +339,11 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
         if collate_fn is None or resident is True else None
     loader = DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)
     _check_not_empty(loader, len(dataset), batch_size, env.world_size)  # type: ignore[arg-type]
+    watch = probe.active()
+    if watch is not None:  # ddpkit verify: how the loader was asked for
+        watch.loader({"seed": seed, "shuffle": shuffle, "drop_last": drop_last,
+                      "batch_per_rank": per_rank, "samples": len(dataset),  # type: ignore
+                      "batches": len(loader)})
     return loader
 
 

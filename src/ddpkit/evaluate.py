@@ -49,8 +49,10 @@ def _eval_batches(data: Any, batch_size: int, num_workers: int, device: torch.de
     on_device = choose_resident(data, device, resident) if collate_fn is None else None
     if on_device is not None:  # this rank's block gathered on the device, batch by batch
         return resident_batches(on_device, list(sampler), batch_size, False, 0, 0)
-    return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      collate_fn=collate_fn)
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                        collate_fn=collate_fn)
+    loader._ddpkit_owned = True  # type: ignore[attr-defined]
+    return loader
 
 
 @torch.no_grad()

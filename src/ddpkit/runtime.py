@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import comm, engines
+from . import comm, engines, probe
 from .batches import to_device
 from .crash import install_error_hook
 from .data import DistributedLoader, make_loader
@@ -86,6 +86,9 @@ class Runtime:
         if strategy is not None and not engine.serves(strategy):
             engine = engines.create(strategy)
         opts = WrapOptions(**options)
+        watch = probe.active()
+        if watch is not None:  # ddpkit verify: before DDP takes its copy of the parameters
+            watch.model(model)
         wrapped = engine.wrap(model, self.env, self.device, opts)
         self._wrapped[unwrap(wrapped)] = type(wrapped).__name__
         return compile_model(wrapped, self.device, opts.compile_mode) if opts.compile else wrapped
@@ -267,4 +270,5 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
         seed_everything(seed)
     if deterministic:
         set_deterministic(True)
+    probe.start(env.rank, env.world_size, seeded=seed is not None)  # only under ddpkit verify
     return Runtime(env, device, backend_name, chosen, stops, progress)

@@ -1,0 +1,58 @@
+"""``ddpkit verify``: run a script on 1 and on N processes and say whether they compute the same,
+and if not, where and why (``ddpkit.verify``).
+"""
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``ddpkit verify``.
+
+    Example::
+
+        add_parser(argparse.ArgumentParser().add_subparsers())
+    """
+    p = sub.add_parser("verify", help="check that a script computes the same on N processes "
+                                      "as on 1, and name the cause when it does not",
+                       description="Runs SCRIPT unchanged on 1 process (three times: again, and "
+                                   "with its batches reversed, which measures the tolerance) "
+                                   "and on N, records every optimizer step through "
+                                   "ddpkit.setup(), and compares them step by step.")
+    p.add_argument("--nproc", type=int, default=2, help="processes to compare with 1 (default 2)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps to compare (default 10)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    p.add_argument("script", nargs="?", help="the script (it calls ddpkit.setup())")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_verify(ns: argparse.Namespace) -> int:
+    from ..errors import ConfigError
+    from ..verify import verify
+    from ..verify.report import as_json, summary, table
+
+    if not ns.script:
+        raise ConfigError("a script is required: ddpkit verify [--nproc N] [--steps S] SCRIPT "
+                          "[ARGS...]")
+    _check_script(ns.script)
+    verdict = verify(ns.script, ns.script_args, ns.nproc, ns.steps)
+    print(table(verdict, ns.nproc))
+    print(summary(verdict, ns.nproc, ns.script), flush=True)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            f.write(as_json(verdict, ns.nproc, ns.script, ns.script_args) + "\n")
+    return 0 if verdict.passed else 1
+
+
+def _check_script(script: str) -> None:
+    import os
+
+    from ..errors import ConfigError
+
+    if not os.path.exists(script):
+        raise ConfigError(f"script {script!r} does not exist")
+    if os.path.isdir(script):
+        raise ConfigError(f"script {script!r} is a directory; give the Python file to verify")

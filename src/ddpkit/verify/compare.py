@@ -1,0 +1,119 @@
+"""Is the N-process run the 1-process run? Step by step, within tolerances measured on the
+1-process run itself, and when it is not, the first step that differs and why.
+
+The tolerance at step k is 10x the largest relative difference, up to step k, between the
+1-process run and the same run with every batch in reverse order (the same samples and math,
+another order of the floating-point sums), never less than 8 float32 roundings (1e-6) and never
+more than 1e-3.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .records import RunRecord, Step
+
+__all__ = ["Verdict", "compare", "relative", "FLOOR", "MARGIN", "CEILING"]
+
+#: The least tolerance: a few float32 roundings (float32's epsilon is 1.2e-7).
+FLOOR = 1e-6
+#: How much wider than the measured spread the tolerance is.
+MARGIN = 10.0
+#: The widest tolerance: a script whose 1-process run changes more than this with the order of
+#: samples in a batch does not compute one function of the batch; no band can hide that.
+CEILING = 1e-3
+
+
+@dataclass
+class Verdict:
+    """The comparison: per step (samples equal, losses, relative difference, tolerance) and the
+    outcome. Example::
+
+        v = compare(one, many, reordered, again)
+        v.passed, v.first_divergent, v.cause
+    """
+
+    passed: bool
+    steps: List[Dict[str, Any]]
+    largest: float                       # the largest relative difference seen
+    first_divergent: Optional[int] = None
+    cause: str = ""                      # short name of the diagnosis
+    why: str = ""                        # one sentence: what differs and what to do
+    notes: List[str] = field(default_factory=list)
+
+
+def relative(a: float, b: float) -> float:
+    """``|a - b|`` relative to the larger of the two (0 for two zeros).
+
+    Example::
+
+        relative(1.0, 1.0001)   # 9.9990e-05
+    """
+    scale = max(abs(a), abs(b))
+    return abs(a - b) / scale if scale else 0.0
+
+
+def _params(a: Step, b: Step) -> float:
+    """The parameters' difference, relative to their norm (sums of single tensors may be ~0)."""
+    scale = max(a.param_norm, b.param_norm, 1e-30)
+    worst = max((abs(x - y) for x, y in zip(a.param_sums, b.param_sums)), default=0.0)
+    return max(worst / scale, relative(a.param_norm, b.param_norm))
+
+
+def _difference(a: Step, b: Step) -> Dict[str, float]:
+    return {"loss": relative(a.loss, b.loss), "grad_norm": relative(a.grad_norm, b.grad_norm),
+            "params": _params(a, b)}
+
+
+def _spread(one: RunRecord, other: Optional[RunRecord]) -> List[float]:
+    """The largest relative difference up to each step between two runs of one process."""
+    out, worst = [], 0.0
+    for i, step in enumerate(one.steps):
+        if other is not None and i < len(other.steps):
+            worst = max(worst, *_difference(step, other.steps[i]).values())
+        out.append(worst)
+    return out
+
+
+def compare(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord] = None,
+            again: Optional[RunRecord] = None) -> Verdict:
+    """Compare ``many`` (N processes) with ``one`` (1 process) step by step; ``reordered`` (one
+    process, batches reversed) sets the tolerance, ``again`` (one process, repeated) tells
+    non-determinism apart.
+
+    Example::
+
+        verdict = compare(load("v/n1"), load("v/n2"), load("v/r1"), load("v/a1"))
+    """
+    from .diagnose import diagnose  # the causes, by what differs first
+
+    repeat = _spread(one, again)
+    nondeterministic = again is not None and any(repeat) and not _explained_by_order(one, again)
+    random = any(s.random_forward for run in (one, many) for s in run.steps)
+    order = _spread(one, None if random else reordered)  # random draws follow the sample order
+    band = [min(max(MARGIN * max(r, a), FLOOR), CEILING) for r, a in zip(
+        order, repeat if not nondeterministic else [0.0] * len(repeat))]
+    rows, largest, first = [], 0.0, None
+    for i, (a, b) in enumerate(zip(one.steps, many.steps)):
+        diff = _difference(a, b)
+        worst = max(diff.values())
+        same_samples = None if a.samples is None or b.samples is None else a.samples == b.samples
+        ok = worst <= band[i] and same_samples is not False
+        largest = max(largest, worst)
+        rows.append({"step": a.step, "samples_equal": same_samples, "loss_1": a.loss,
+                     "loss_n": b.loss, "relative": worst, "tolerance": band[i],
+                     "verdict": "ok" if ok else "DIVERGES", **{f"rel_{k}": v for k, v in
+                                                               diff.items()}})
+        if not ok and first is None:
+            first = i
+    verdict = Verdict(passed=first is None and not nondeterministic, steps=rows, largest=largest)
+    if nondeterministic or first is not None:
+        verdict.first_divergent = rows[first]["step"] if first is not None else None
+        verdict.cause, verdict.why = diagnose(one, many, first, again if nondeterministic else None)
+    return verdict
+
+
+def _explained_by_order(one: RunRecord, again: RunRecord) -> bool:
+    """Two runs of one process that differ only by the last bits of floats (GPU atomics) are
+    widened into the band by ``again``; anything above the floor is non-determinism."""
+    return max(_spread(one, again), default=0.0) <= FLOOR

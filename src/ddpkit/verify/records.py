@@ -1,0 +1,103 @@
+"""What the ranks of one ``ddpkit verify`` run recorded (``ddpkit.probe``), merged per optimizer
+step: the global samples, the global loss, the gradient norm, the parameters' digest.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+__all__ = ["Step", "RunRecord", "load"]
+
+
+@dataclass
+class Step:
+    """One optimizer step of a run, over all of its ranks.
+
+    Example::
+
+        Step(1, samples=[0, 5, 9], loss=2.3, grad_norm=0.8, param_norm=4.9, param_sums=[0.1])
+    """
+
+    step: int
+    samples: Optional[List[int]]      # every rank's samples, sorted; None: not from rt.loader
+    loss: float                       # the mean over ranks of what each backpropagated
+    grad_norm: float
+    param_norm: float
+    param_sums: List[float]
+    lr: Optional[float] = None
+    backwards: List[int] = field(default_factory=list)   # backward calls on each rank
+    random_forward: bool = False      # a forward drew random numbers on some rank
+    no_grad: List[List[str]] = field(default_factory=list)  # per rank: parameters without one
+    epoch_end: bool = False           # the epoch's last batch was in this step
+
+
+@dataclass
+class RunRecord:
+    """Everything one run recorded. Example::
+
+        run = load("/tmp/verify/n2")
+        run.steps[0].loss
+    """
+
+    world_size: int
+    steps: List[Step]
+    seeds: List[int]                  # torch.initial_seed() of each rank after setup()
+    seeded: bool                      # setup(seed=...) was given on every rank
+    loaders: List[Dict[str, Any]]     # rt.loader's configuration, per rank (first loader)
+    models: List[Dict[str, Any]]      # rank 0's wrapped models
+    foreign_loader: bool              # a DataLoader of the script's own was iterated
+    started: bool                     # setup() ran (the script is a ddpkit script)
+
+
+def load(directory: str) -> RunRecord:
+    """Read and merge ``directory/rank*.jsonl``.
+
+    Example::
+
+        load("/tmp/verify/n1").steps[-1].param_norm
+    """
+    ranks = sorted(int(n[4:-6]) for n in os.listdir(directory)
+                   if n.startswith("rank") and n.endswith(".jsonl")) \
+        if os.path.isdir(directory) else []
+    events = [_read(os.path.join(directory, f"rank{r}.jsonl")) for r in ranks]
+    starts = [e for rank in events for e in rank if e["event"] == "start"]
+    per_rank = [[e for e in rank if e["event"] == "step"] for rank in events]
+    count = min((len(s) for s in per_rank), default=0)
+    ends = [{e["step"] for e in rank if e["event"] == "epoch_end"} for rank in events]
+    steps = [_merge([s[i] for s in per_rank], ends) for i in range(count)]
+    first = events[0] if events else []
+    return RunRecord(
+        world_size=len(ranks), steps=steps, seeds=[s["seed"] for s in starts],
+        seeded=all(s.get("seeded", True) for s in starts),
+        loaders=[next((e for e in rank if e["event"] == "loader"), {}) for rank in events],
+        models=[e for e in first if e["event"] == "model"],
+        foreign_loader=any(e["event"] == "foreign_loader" for rank in events for e in rank),
+        started=bool(starts))
+
+
+def _read(path: str) -> List[Dict[str, Any]]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a rank killed mid-line: what it wrote before counts
+                break
+    return out
+
+
+def _merge(records: List[Dict[str, Any]], ends: List[set]) -> Step:
+    first = records[0]
+    samples = sorted(i for r in records for i in r["samples"])
+    n = first["step"]
+    return Step(
+        step=n, samples=samples or None,
+        loss=sum(sum(r["losses"]) for r in records) / len(records),
+        grad_norm=first.get("grad_norm", 0.0), param_norm=first["param_norm"],
+        param_sums=first["param_sums"], lr=first.get("lr"),
+        backwards=[len(r["losses"]) for r in records],
+        random_forward=any(r.get("random_forward") for r in records),
+        no_grad=[r.get("no_grad", []) for r in records],
+        epoch_end=any(n - 1 in e for e in ends))

@@ -1,0 +1,60 @@
+"""What ``ddpkit verify`` prints: a short table of the steps, then PASS with the largest relative
+difference, or the first step that diverges and why; and the same as JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Dict, List
+
+from .compare import FLOOR, MARGIN, Verdict
+
+__all__ = ["table", "summary", "as_json"]
+
+
+def table(verdict: Verdict, nproc: int) -> str:
+    """The steps as aligned text: step, samples equal, loss 1 vs N, relative difference.
+
+    Example::
+
+        print(table(verdict, 2))
+    """
+    head = f"{'step':>4}  {'samples':>7}  {'loss (1 proc)':>14}  {'loss (' + str(nproc) + ' procs)':>15}" \
+           f"  {'rel. diff':>9}  {'tolerance':>9}  verdict"
+    lines = [head]
+    for row in verdict.steps:
+        same = {True: "equal", False: "DIFFER", None: "-"}[row["samples_equal"]]
+        lines.append(f"{row['step']:>4}  {same:>7}  {row['loss_1']:>14.8f}  "
+                     f"{row['loss_n']:>15.8f}  {row['relative']:>9.2e}  "
+                     f"{row['tolerance']:>9.2e}  {row['verdict']}")
+    return "\n".join(lines)
+
+
+def summary(verdict: Verdict, nproc: int, script: str) -> str:
+    """The verdict in one line (two with the cause).
+
+    Example::
+
+        summary(verdict, 2, "train.py")   # 'PASS: train.py computes the same on 2 ...'
+    """
+    steps = len(verdict.steps)
+    if verdict.passed:
+        return (f"PASS: {script} computes the same on {nproc} processes as on 1 over {steps} "
+                f"steps (largest relative difference {verdict.largest:.1e}; tolerance "
+                f"{MARGIN:g}x the spread of 1 process with its batches reversed, at least "
+                f"{FLOOR:g})")
+    where = f" at step {verdict.first_divergent}" if verdict.first_divergent else ""
+    return f"FAIL{where} [{verdict.cause}]: {verdict.why}"
+
+
+def as_json(verdict: Verdict, nproc: int, script: str, args: List[str]) -> str:
+    """The report for machines: the verdict, the cause and every step's figures.
+
+    Example::
+
+        open("verify.json", "w").write(as_json(verdict, 2, "train.py", []))
+    """
+    data: Dict[str, Any] = {"script": script, "args": list(args), "nproc": nproc,
+                            "tolerance": {"margin": MARGIN, "floor": FLOOR},
+                            **dataclasses.asdict(verdict)}
+    return json.dumps(data, indent=2)
