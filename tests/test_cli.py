@@ -204,11 +204,13 @@ def test_train_resume_auto_and_bad_checkpoints(tmp_path):
     assert "resumed from" in res.stdout and "ckpt-000000012.pt" in res.stdout
     assert json.loads((out / "results.json").read_text())["steps"] == 2 * 23
 
-    # a checkpoint from another model: keys and shapes named, one line
+    # a checkpoint from another model: both models named, one line, before anything is written
     res = ddpkit("train", "--nproc", "1", "--epochs", "1", "--model", "resnet18",
                  "--output", str(tmp_path / "other"), "--resume", str(out / "checkpoints"), timeout=120)
     lines = error_lines(res.stderr)
-    assert res.returncode == 2 and len(lines) == 1 and "different model" in lines[0], res.stderr[-2000:]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert "written with --model small_cnn" in lines[0] and "--model resnet18" in lines[0]
+    assert not (tmp_path / "other" / "config.json").exists()
 
     # a truncated checkpoint given explicitly
     latest = sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1]

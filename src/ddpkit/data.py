@@ -19,8 +19,8 @@ from .loader_seeds import EpochTagged, SeededSamples, WorkerInit, sample_seed, w
 from .resident import ResidentData, batches_in, choose_resident, resident_batches
 
 
-__all__ = ["per_rank_batch_size", "ResumableSampler", "ShardSampler", "DistributedLoader",
-           "make_loader", "worker_seed", "sample_seed"]
+__all__ = ["per_rank_batch_size", "ResumableSampler", "MicroStepSampler", "ShardSampler",
+           "DistributedLoader", "make_loader", "worker_seed", "sample_seed"]
 
 
 def per_rank_batch_size(global_batch: int, world_size: int) -> int:
@@ -100,6 +100,33 @@ class ResumableSampler(DistributedSampler):
     def __len__(self) -> int:
         n = len(self.dataset)  # type: ignore[arg-type]
         return len(self._remaining(list(range(n)))) // self.num_replicas
+
+
+class MicroStepSampler(ResumableSampler):
+    """One process taking, step after step, the batches of ``num_replicas`` ranks in rank order
+    (``ddpkit verify --accum-steps K``: accumulating K micro-batches is then the K ranks' step).
+
+    Example::
+
+        list(MicroStepSampler(range(8), micro_batch=2, num_replicas=2, rank=0, shuffle=False))
+        # [0, 2, 1, 3, 4, 6, 5, 7]: rank 0's batch, rank 1's batch, then the next step's
+    """
+
+    def __init__(self, *args: Any, micro_batch: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.micro_batch, self.num_samples = micro_batch, self.num_samples * self.num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        indices = self._remaining(self._epoch_indices())
+        self.start = self.pad_base = 0
+        shards, b = [indices[k::self.num_replicas] for k in range(self.num_replicas)], \
+            self.micro_batch
+        self.last_indices = [i for t in range(0, len(shards[0]), b) for s in shards
+                             for i in s[t:t + b]]
+        return iter(self.last_indices)
+
+    def __len__(self) -> int:
+        return super().__len__() * self.num_replicas
 
 
 class ShardSampler(Sampler[int]):
@@ -328,8 +355,20 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
     per_rank = per_rank_batch or per_rank_batch_size(batch_size, env.world_size)
     if num_workers < 0:
         raise ConfigError(f"number of loader workers must be >= 0, got {num_workers}")
-    sampler = ResumableSampler(dataset, num_replicas=env.world_size, rank=env.rank,
-                               shuffle=shuffle, seed=seed, drop_last=drop_last)
+    watch = probe.active()
+    micro = watch.accum if watch is not None and env.world_size == 1 else 1
+    if micro > 1:  # ddpkit verify --accum-steps: 1 process takes K ranks' batches in turn
+        if per_rank % micro:
+            raise ConfigError(f"--accum-steps {micro} does not divide the script's batch of "
+                              f"{per_rank}: pass --accum-steps equal to --nproc, a divisor "
+                              f"of {per_rank}")
+        per_rank //= micro
+        sampler: ResumableSampler = MicroStepSampler(
+            dataset, num_replicas=micro, rank=0, shuffle=shuffle, seed=seed,
+            drop_last=drop_last, micro_batch=per_rank)
+    else:
+        sampler = ResumableSampler(dataset, num_replicas=env.world_size, rank=env.rank,
+                                   shuffle=shuffle, seed=seed, drop_last=drop_last)
     _refuse_owned(loader_kwargs)
     kwargs = dict(num_workers=num_workers, drop_last=drop_last, collate_fn=collate_fn,
                   persistent_workers=persistent_workers and num_workers > 0,
@@ -339,11 +378,11 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
         if collate_fn is None or resident is True else None
     loader = DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)
     _check_not_empty(loader, len(dataset), batch_size, env.world_size)  # type: ignore[arg-type]
-    watch = probe.active()
     if watch is not None:  # ddpkit verify: how the loader was asked for
         watch.loader({"seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                       "batch_per_rank": per_rank, "samples": len(dataset),  # type: ignore
-                      "batches": len(loader)})
+                      "batches": len(loader), "micro_steps": micro,
+                      "global_batch": per_rank * env.world_size * micro})
     return loader
 
 

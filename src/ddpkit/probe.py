@@ -12,12 +12,13 @@ import contextlib
 import json
 import os
 import sys
+import types
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["VERIFY_VAR", "STEPS_VAR", "ORDER_VAR", "Probe", "start", "active", "reverse_batch"]
+__all__ = ["VERIFY_VAR", "STEPS_VAR", "ORDER_VAR", "ACCUM_VAR", "Probe", "start", "active", "reverse_batch"]
 
 #: The directory each rank writes ``rank{R}.jsonl`` into; set by ``ddpkit verify``.
 VERIFY_VAR = "DDPKIT_VERIFY"
@@ -26,6 +27,9 @@ STEPS_VAR = "DDPKIT_VERIFY_STEPS"
 #: "reverse": every batch from ``rt.loader`` in reverse order (the same samples, another
 #: reduction order: the spread it causes is verify's measured tolerance).
 ORDER_VAR = "DDPKIT_VERIFY_ORDER"
+#: K > 1 on one process: ``rt.loader`` hands out K ranks' batches in turn and every K-th
+#: optimizer step (zero_grad, scheduler step, clipping) happens, the others are accumulated.
+ACCUM_VAR = "DDPKIT_VERIFY_ACCUM"
 
 _ACTIVE: Optional["Probe"] = None
 
@@ -54,7 +58,8 @@ def start(rank: int, world_size: int, environ: Any = None,
     if not directory or _ACTIVE is not None:
         return _ACTIVE
     _ACTIVE = Probe(directory, rank, world_size, int(environ.get(STEPS_VAR, "10")),
-                    environ.get(ORDER_VAR) == "reverse", seeded)
+                    environ.get(ORDER_VAR) == "reverse", seeded,
+                    int(environ.get(ACCUM_VAR, "1")) if world_size == 1 else 1)
     _ACTIVE.install()
     return _ACTIVE
 
@@ -82,8 +87,10 @@ class Probe:
     """
 
     def __init__(self, directory: str, rank: int, world_size: int, steps: int,
-                 reverse: bool = False, seeded: bool = True) -> None:
+                 reverse: bool = False, seeded: bool = True, accum: int = 1) -> None:
         self.rank, self.world_size, self.steps, self.reverse = rank, world_size, steps, reverse
+        self.accum = accum                # micro-batches per optimizer step (one process)
+        self._pending = False             # optimizer steps held back since the last real one
         os.makedirs(directory, exist_ok=True)
         self._out = open(os.path.join(directory, f"rank{rank}.jsonl"), "w", buffering=1)
         self.step = 0
@@ -93,7 +100,8 @@ class Probe:
         self._random_forward = False      # did a forward draw random numbers since the last step
         self._models: List[nn.Module] = []
         self._write({"event": "start", "rank": rank, "world_size": world_size,
-                     "seed": torch.initial_seed(), "seeded": seeded, "argv": sys.argv})
+                     "seed": torch.initial_seed(), "seeded": seeded, "accum": accum,
+                     "argv": sys.argv})
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
@@ -104,16 +112,23 @@ class Probe:
         register_optimizer_step_post_hook(self._after_step)
         backward = torch.autograd.backward
 
-        def recorded_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        def recorded_backward(tensors: Any, grad_tensors: Any = None, *args: Any,
+                              **kwargs: Any) -> Any:
             if torch.is_tensor(tensors) and tensors.numel() == 1:
-                self._losses.append(float(tensors.detach()))
-            return backward(tensors, *args, **kwargs)
+                self._losses.append(float(tensors.detach()) / self.accum)
+                if self.accum > 1:  # K micro-batches make one step: each counts 1/K
+                    grad_tensors = torch.full_like(tensors, 1.0 / self.accum) \
+                        if grad_tensors is None else grad_tensors / self.accum
+            return backward(tensors, grad_tensors, *args, **kwargs)
 
         torch.autograd.backward = recorded_backward
         clip = torch.nn.utils.clip_grad_norm_
 
-        def recorded_clip(*args: Any, **kwargs: Any) -> torch.Tensor:
-            norm = clip(*args, **kwargs)
+        def recorded_clip(parameters: Any, max_norm: float, *args: Any,
+                          **kwargs: Any) -> torch.Tensor:
+            if self._pending:  # a held-back micro-step: measure, clip the whole step later
+                max_norm = float("inf")
+            norm = clip(parameters, max_norm, *args, **kwargs)
             self._clipped = float(norm)
             return norm
 
@@ -127,6 +142,36 @@ class Probe:
             return iterate(loader)
 
         torch.utils.data.DataLoader.__iter__ = watched_iter  # type: ignore[method-assign]
+        if self.accum > 1:
+            self._hold_back_steps()
+
+    def _hold_back_steps(self) -> None:
+        """Accumulate ``accum`` micro-batches per step in a loop that steps on every batch: the
+        optimizer steps every ``accum``-th call; zero_grad, the scheduler and clipping follow."""
+        from torch.optim import Optimizer
+        from torch.optim.lr_scheduler import LRScheduler
+        probe, accum = self, self.accum
+
+        def gated_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
+            opt._ddpkit_calls = getattr(opt, "_ddpkit_calls", 0) + 1
+            probe._pending = opt._ddpkit_calls % accum != 0
+            return None if probe._pending else type(opt).step(opt, *args, **kwargs)
+
+        def unless_pending(method: Any) -> Any:
+            def call(obj: Any, *args: Any, **kwargs: Any) -> Any:
+                return None if probe._pending else method(obj, *args, **kwargs)
+            return call
+
+        init = Optimizer.__init__
+
+        def gated_init(opt: Any, *args: Any, **kwargs: Any) -> None:
+            init(opt, *args, **kwargs)
+            opt.step = types.MethodType(gated_step, opt)  # a bound method, as schedulers expect
+
+        Optimizer.__init__ = gated_init  # type: ignore[method-assign]
+        Optimizer.zero_grad = unless_pending(Optimizer.zero_grad)  # type: ignore[method-assign]
+        nn.Module.zero_grad = unless_pending(nn.Module.zero_grad)  # type: ignore[method-assign]
+        LRScheduler.step = unless_pending(LRScheduler.step)  # type: ignore[method-assign]
 
     def model(self, module: nn.Module) -> None:
         """``rt.wrap`` hands over the user's module: turn its Dropout modules off (their masks

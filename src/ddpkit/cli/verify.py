@@ -23,6 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "ddpkit.setup(), and compares them step by step.")
     p.add_argument("--nproc", type=int, default=2, help="processes to compare with 1 (default 2)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps to compare (default 10)")
+    p.add_argument("--accum-steps", type=int, default=1, metavar="K",
+                   help="on 1 process, accumulate K micro-batches per step, the batches of K "
+                        "ranks (K = N: the same micro-batch as on N; for BatchNorm models and "
+                        "scripts that step on every batch)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument("script", nargs="?", help="the script (it calls ddpkit.setup())")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -35,15 +39,15 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
     from ..verify.report import as_json, summary, table
 
     if not ns.script:
-        raise ConfigError("a script is required: ddpkit verify [--nproc N] [--steps S] SCRIPT "
-                          "[ARGS...]")
+        raise ConfigError("a script is required: ddpkit verify [--nproc N] [--steps S] "
+                          "[--accum-steps K] SCRIPT [ARGS...]")
     _check_script(ns.script)
-    verdict = verify(ns.script, ns.script_args, ns.nproc, ns.steps)
+    verdict = verify(ns.script, ns.script_args, ns.nproc, ns.steps, accum=ns.accum_steps)
     print(table(verdict, ns.nproc))
-    print(summary(verdict, ns.nproc, ns.script), flush=True)
+    print(summary(verdict, ns.nproc, ns.script, ns.accum_steps), flush=True)
     if ns.json:
         with open(ns.json, "w") as f:
-            f.write(as_json(verdict, ns.nproc, ns.script, ns.script_args) + "\n")
+            f.write(as_json(verdict, ns.nproc, ns.script, ns.script_args, ns.accum_steps) + "\n")
     return 0 if verdict.passed else 1
 
 

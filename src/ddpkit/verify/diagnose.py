@@ -56,10 +56,17 @@ def _samples(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diag
                                    "sampler of the script's own), so ddpkit cannot split them "
                                    "the same on any number of processes: use "
                                    "rt.loader(dataset, global_batch_size)")
-        return None
+        return ("own-sampler", "the script draws its batches itself, not from rt.loader "
+                               "(random windows or indices per rank, as nanoGPT does): N "
+                               "processes train on other samples than 1 by design, equal only "
+                               "in distribution; to compare exactly, take the batches from "
+                               "rt.loader(dataset, global_batch_size)")
     if a.samples == b.samples:
         return None
-    advice = {"seed": "give every rank and every run the same seed= (not one from the rank or "
+    advice = {"global_batch": "give rt.loader the global batch (batch_size=), not a per-rank "
+                              "one (per_rank_batch=), so a step takes the same samples on any "
+                              "number of processes",
+              "seed": "give every rank and every run the same seed= (not one from the rank or "
                       "the clock)",
               "drop_last": "pass the same drop_last= whatever the number of processes",
               "shuffle": "pass the same shuffle= whatever the number of processes"}
@@ -112,7 +119,8 @@ def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diagnos
         return ("batchnorm", f"the model has {norms} BatchNorm layer(s): each rank normalises "
                              "with its own batch's statistics, so N processes are not one "
                              "process; use --sync-bn (rt.wrap(model, sync_bn=True), "
-                             "SyncBatchNorm) on GPUs, or a norm without batch statistics")
+                             "SyncBatchNorm), or verify --accum-steps "
+                             f"{many.world_size} to compare with the same micro-batches")
     for n in (many.world_size, 1 / many.world_size):
         if relative(b.loss / a.loss if a.loss else 0.0, n) < 1e-3:
             return ("loss-scale", f"the loss on {many.world_size} processes is {n:g}x the "

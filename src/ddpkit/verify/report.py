@@ -30,7 +30,7 @@ def table(verdict: Verdict, nproc: int) -> str:
     return "\n".join(lines)
 
 
-def summary(verdict: Verdict, nproc: int, script: str) -> str:
+def summary(verdict: Verdict, nproc: int, script: str, accum: int = 1) -> str:
     """The verdict in one line (two with the cause).
 
     Example::
@@ -39,7 +39,8 @@ def summary(verdict: Verdict, nproc: int, script: str) -> str:
     """
     steps = len(verdict.steps)
     if verdict.passed:
-        return (f"PASS: {script} computes the same on {nproc} processes as on 1 over {steps} "
+        one = f"1 accumulating {accum} micro-batches" if accum > 1 else "1"
+        return (f"PASS: {script} computes the same on {nproc} processes as on {one} over {steps} "
                 f"steps (largest relative difference {verdict.largest:.1e}; tolerance "
                 f"{MARGIN:g}x the spread of 1 process with its batches reversed, at least "
                 f"{FLOOR:g})")
@@ -47,7 +48,7 @@ def summary(verdict: Verdict, nproc: int, script: str) -> str:
     return f"FAIL{where} [{verdict.cause}]: {verdict.why}"
 
 
-def as_json(verdict: Verdict, nproc: int, script: str, args: List[str]) -> str:
+def as_json(verdict: Verdict, nproc: int, script: str, args: List[str], accum: int = 1) -> str:
     """The report for machines: the verdict, the cause and every step's figures.
 
     Example::
@@ -55,6 +56,7 @@ def as_json(verdict: Verdict, nproc: int, script: str, args: List[str]) -> str:
         open("verify.json", "w").write(as_json(verdict, 2, "train.py", []))
     """
     data: Dict[str, Any] = {"script": script, "args": list(args), "nproc": nproc,
+                            "accum_steps": accum,
                             "tolerance": {"margin": MARGIN, "floor": FLOOR},
                             **dataclasses.asdict(verdict)}
     return json.dumps(data, indent=2)

@@ -11,7 +11,7 @@ import tempfile
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
-from ..probe import ORDER_VAR, STEPS_VAR, VERIFY_VAR
+from ..probe import ACCUM_VAR, ORDER_VAR, STEPS_VAR, VERIFY_VAR
 from .compare import Verdict, compare
 from .records import RunRecord, load
 
@@ -36,7 +36,7 @@ class Diverged(Exception):
 
 def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directory: str,
                reverse: bool = False, timeout: Optional[float] = None,
-               whole_epoch: bool = True) -> RunRecord:
+               whole_epoch: bool = True, accum: int = 1) -> RunRecord:
     """Run ``script`` on ``nproc`` processes recording ``steps`` optimizer steps into
     ``directory``; one :class:`ConfigError` line when it fails or records nothing.
 
@@ -48,6 +48,8 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
     env.update({VERIFY_VAR: directory, STEPS_VAR: str(steps), "PYTHONUNBUFFERED": "1"})
     if reverse:
         env[ORDER_VAR] = "reverse"
+    if nproc == 1 and accum > 1:
+        env[ACCUM_VAR] = str(accum)
     if nproc > 1:
         env.setdefault("TORCH_DISTRIBUTED_DEBUG", "INFO")  # DDP names unused parameters
     proc = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", str(nproc), script,
@@ -61,7 +63,7 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
                                             "find_unused_parameters=True")
     if proc.returncode != 0:
         raise ConfigError(_failed(script, nproc, proc.stderr, record))
-    return _checked(script, record, steps, whole_epoch)
+    return _checked(script, record, steps, whole_epoch, accum if nproc == 1 else 1)
 
 
 def _failed(script: str, nproc: int, stderr: str, record: RunRecord) -> str:
@@ -72,7 +74,8 @@ def _failed(script: str, nproc: int, stderr: str, record: RunRecord) -> str:
     return f"{script} failed on {nproc} process(es) {where}: {said.strip()[:300]}"
 
 
-def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool) -> RunRecord:
+def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool,
+             accum: int = 1) -> RunRecord:
     if not record.started:
         raise ConfigError(f"{script} never called ddpkit.setup(): verify watches ddpkit "
                           "scripts; add `rt = ddpkit.setup()` (and rt.wrap, rt.loader) first")
@@ -80,6 +83,10 @@ def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool) -> R
         raise ConfigError(f"{script} ran to the end without an optimizer step: nothing to "
                           "compare; verify a script that trains")
     ends = [s.step for s in record.steps if s.epoch_end]
+    if whole_epoch and ends and accum > 1 and ends[0] <= steps:
+        raise ConfigError(f"--steps {steps} reaches the end of an epoch ({ends[0]} optimizer "
+                          f"steps), whose micro-batches are uneven under --accum-steps "
+                          f"{accum}; pass --steps {max(ends[0] - 1, 1)} or less")
     if whole_epoch and ends and ends[0] < steps:  # the 1-process epoch sets the limit
         raise ConfigError(f"--steps {steps} is more than an epoch ({ends[0]} optimizer steps "
                           f"on {record.world_size} process(es)): its last batch is padded "
@@ -92,8 +99,11 @@ def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool) -> R
 
 
 def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 10,
-           workdir: Optional[str] = None, timeout: Optional[float] = 900) -> Verdict:
-    """Run ``script`` on 1 and on ``nproc`` processes and compare them step by step.
+           workdir: Optional[str] = None, timeout: Optional[float] = 900,
+           accum: int = 1) -> Verdict:
+    """Run ``script`` on 1 and on ``nproc`` processes and compare them step by step; with
+    ``accum`` K > 1 the 1-process runs accumulate K micro-batches per step, the batches of K
+    ranks (with K = ``nproc``, each micro-batch is one rank's: BatchNorm sees the same batches).
 
     Example::
 
@@ -104,13 +114,27 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
         raise ConfigError(f"--nproc must be >= 2 to compare with one process, got {nproc}")
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
+    if accum < 1:
+        raise ConfigError(f"--accum-steps must be >= 1, got {accum}")
+    records = {}
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-", dir=workdir) as tmp:
         try:
-            records = {name: run_script(script, args, n or nproc, steps,
-                                        os.path.join(tmp, name), reverse, timeout,
-                                        whole_epoch=name == "one")
-                       for name, n, reverse in PLAN}
+            for name, n, reverse in PLAN:
+                records[name] = run_script(script, args, n or nproc, steps,
+                                           os.path.join(tmp, name), reverse, timeout,
+                                           whole_epoch=name == "one", accum=accum)
+                if name == "one":
+                    _check_divides(records["one"], nproc)
         except Diverged as exc:
             return Verdict(passed=False, steps=[], largest=float("nan"), cause=exc.cause,
                            why=exc.why)
     return compare(records["one"], records["many"], records["reordered"], records["again"])
+
+
+def _check_divides(one: RunRecord, nproc: int) -> None:
+    """The global batch of the 1-process run must split evenly over ``nproc`` ranks."""
+    batch = one.loaders[0].get("global_batch") if one.loaders else None
+    if batch and batch % nproc:
+        good = [n for n in range(2, batch + 1) if batch % n == 0][:3]
+        raise ConfigError(f"--nproc {nproc} does not divide the script's global batch of {batch} "
+                          f"(rt.loader): pass --nproc {' or '.join(map(str, good))}")

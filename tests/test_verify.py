@@ -1,0 +1,199 @@
+"""``ddpkit verify``: every planted bug in examples/broken/ is named, the README's example and a
+BatchNorm model under --accum-steps pass, bad input is one line; the comparison and diagnosis
+themselves on records made by hand (tolerance bands, non-determinism, unseeded runs)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit.data import MicroStepSampler
+from ddpkit.verify.compare import FLOOR, compare, relative
+from ddpkit.verify.records import RunRecord, Step
+from ddpkit.verify.runs import Diverged, run_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BROKEN = os.path.join(ROOT, "examples", "broken")
+
+
+def _ddpkit(*args, cwd=ROOT, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- planted bugs, end to end
+# (file, steps, the cause verify must name). One and N processes are enough to name these
+# causes; the repeated and the reordered 1-process runs are exercised by the CLI tests below.
+PLANTED = [
+    ("own_sampler.py", 3, "own-sampler"),
+    ("shuffle_seed.py", 3, "loader-seed"),
+    ("drop_last.py", 4, "loader-drop_last"),
+    ("mean_of_means.py", 3, "mean-of-means"),
+    ("model_randomness.py", 3, "model-randomness"),
+    ("batchnorm.py", 3, "batchnorm"),
+    ("accumulation_loss.py", 3, "accumulation-loss"),
+    ("accumulation_step.py", 3, "accumulation-step"),
+    ("unused_parameters.py", 3, "unused-parameters"),
+    ("lr_scaled.py", 3, "learning-rate"),
+]
+
+
+@pytest.mark.parametrize("script,steps,cause", PLANTED, ids=[p[0][:-3] for p in PLANTED])
+def test_each_planted_bug_is_named(tmp_path, script, steps, cause):
+    path = os.path.join(BROKEN, script)
+    try:
+        one = run_script(path, [], 1, steps, str(tmp_path / "one"), timeout=240)
+        many = run_script(path, [], 2, steps, str(tmp_path / "many"), timeout=240,
+                          whole_epoch=False)
+    except Diverged as exc:
+        assert exc.cause == cause, exc.why
+        return
+    verdict = compare(one, many)
+    assert not verdict.passed
+    assert verdict.cause == cause, (verdict.cause, verdict.why, verdict.steps)
+    assert verdict.why and "\n" not in verdict.why
+
+
+def test_an_unseeded_script_is_named_by_its_second_run(tmp_path):
+    proc = _ddpkit("verify", "--steps", "3", os.path.join(BROKEN, "unseeded.py"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAIL") and "[unseeded]" in last and "seed=0" in last, proc.stdout
+
+
+# ---------------------------------------------------------------- passes
+def test_the_readme_example_passes_with_a_table_and_a_json_report(tmp_path):
+    report = tmp_path / "verify.json"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert "ddpkit verify --steps 5 examples/train_ddpkit.py " in f.read()
+    proc = _ddpkit("verify", "--steps", "5", "--json", str(report), "examples/train_ddpkit.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["step", "samples"]
+    assert len(lines) == 1 + 5 + 1 and all(" equal " in line and line.endswith("ok")
+                                           for line in lines[1:6])
+    assert lines[-1].startswith("PASS: examples/train_ddpkit.py computes the same on 2 processes")
+    data = json.loads(report.read_text())
+    assert data["passed"] is True and data["nproc"] == 2 and len(data["steps"]) == 5
+    assert all(s["samples_equal"] and s["relative"] <= s["tolerance"] for s in data["steps"])
+    assert data["largest"] == max(s["relative"] for s in data["steps"])
+
+
+def test_batchnorm_passes_when_one_process_accumulates_the_ranks_batches(tmp_path):
+    """The planted BatchNorm 'bug' is only BatchNorm's batch: with --accum-steps 2 one process
+    takes rank 0's then rank 1's batch per step and computes what 2 processes do."""
+    proc = _ddpkit("verify", "--steps", "3", "--accum-steps", "2",
+                   os.path.join(BROKEN, "batchnorm.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout and "accumulating 2 micro-batches" in proc.stdout
+
+
+def test_micro_step_sampler_takes_the_ranks_batches_in_turn():
+    sampler = MicroStepSampler(range(10), micro_batch=2, num_replicas=2, rank=0, shuffle=False)
+    # rank 0 of 2 takes 0 2 4 6 8, rank 1 takes 1 3 5 7 9; batches of 2, step by step
+    assert list(sampler) == [0, 2, 1, 3, 4, 6, 5, 7, 8, 9]
+    assert len(sampler) == 10 and sampler.num_samples == 10
+
+
+# ---------------------------------------------------------------- bad input: one line each
+def _one_error_line(proc):
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_a_script_without_setup_is_one_line(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import torch\nm = torch.nn.Linear(2, 1)\n"
+                      "o = torch.optim.SGD(m.parameters(), 0.1)\n"
+                      "m(torch.ones(1, 2)).sum().backward(); o.step()\n")
+    assert "never called ddpkit.setup()" in _one_error_line(_ddpkit("verify", str(script)))
+
+
+def test_a_script_that_never_steps_is_one_line(tmp_path):
+    script = tmp_path / "eval_only.py"
+    script.write_text("import ddpkit\nrt = ddpkit.setup(seed=0)\nprint('evaluated')\n")
+    assert "without an optimizer step" in _one_error_line(_ddpkit("verify", str(script)))
+
+
+def test_more_steps_than_an_epoch_is_one_line():
+    line = _one_error_line(_ddpkit("verify", "--steps", "40", os.path.join(BROKEN,
+                                                                          "batchnorm.py")))
+    assert "more than an epoch (16 optimizer steps" in line and "--steps 16" in line
+
+
+def test_nproc_that_does_not_divide_the_global_batch_is_one_line():
+    line = _one_error_line(_ddpkit("verify", "--nproc", "3", "--steps", "2",
+                                   os.path.join(BROKEN, "batchnorm.py")))
+    assert "--nproc 3 does not divide the script's global batch of 64" in line
+    assert "--nproc 2 or 4" in line
+
+
+@pytest.mark.parametrize("args,said", [
+    ((), "a script is required"),
+    (("examples",), "is a directory"),
+    (("nope.py",), "does not exist"),
+    (("--nproc", "1", "examples/train_ddpkit.py"), "--nproc must be >= 2"),
+])
+def test_bad_command_lines_are_one_line(args, said, capsys, monkeypatch):
+    from ddpkit.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["verify", *args]) == 2          # refused before any process starts
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and said in err[0], err
+
+
+# ---------------------------------------------------------------- comparison and diagnosis
+def _run(losses, world=1, seeded=True, seeds=(0,), samples=None, **step):
+    steps = [Step(i + 1, samples=list(samples or range(4)), loss=loss, grad_norm=1.0,
+                  param_norm=2.0, param_sums=[loss], lr=0.1, backwards=[1] * world, **step)
+             for i, loss in enumerate(losses)]
+    return RunRecord(world_size=world, steps=steps, seeds=list(seeds), seeded=seeded,
+                     loaders=[{"seed": 0, "shuffle": True, "drop_last": False}] * world,
+                     models=[], foreign_loader=False, started=True)
+
+
+def test_the_band_is_ten_times_the_reordered_spread_and_never_below_the_floor():
+    one = _run([1.0, 1.0, 1.0])
+    reordered = _run([1.0, 1.0 + 1e-5, 1.0])     # the reversed batches differ by 1e-5 at step 2
+    many = _run([1.0 + 5e-7, 1.0 + 5e-5, 1.0 + 9e-5], world=2)
+    verdict = compare(one, many, reordered, _run([1.0, 1.0, 1.0]))
+    assert [s["tolerance"] for s in verdict.steps] == pytest.approx([FLOOR, 1e-4, 1e-4],
+                                                                    rel=1e-3)
+    assert verdict.passed and verdict.largest == pytest.approx(9e-5, rel=1e-2)
+    worse = compare(one, _run([1.0, 1.0, 1.0 + 2e-4], world=2), reordered, _run([1.0] * 3))
+    assert not worse.passed and worse.first_divergent == 3
+
+
+def test_a_repeat_that_differs_is_non_determinism_even_when_n_agrees():
+    one, again = _run([1.0, 2.0]), _run([1.0, 2.0 + 1e-3])
+    verdict = compare(one, _run([1.0, 2.0], world=2), _run([1.0, 2.0]), again)
+    assert not verdict.passed and verdict.cause == "nondeterministic"
+    assert "step 2" in verdict.why and "deterministic=True" in verdict.why
+    unseeded = compare(_run([1.0], seeded=False, seeds=(5,)), _run([1.0], world=2), None,
+                       _run([1.5], seeded=False, seeds=(9,)))
+    assert unseeded.cause == "unseeded"
+
+
+def test_a_loss_scaled_by_the_world_and_other_samples_are_named():
+    scaled = compare(_run([1.0]), _run([2.0], world=2))
+    assert scaled.cause == "loss-scale"
+    other = compare(_run([1.0]), _run([1.0], world=2, samples=[0, 1, 2, 9]))
+    assert other.cause == "samples" and "1 of the 1-process step's 4 are missing" in other.why
+
+
+def test_relative_difference():
+    assert relative(0.0, 0.0) == 0.0
+    assert relative(1.0, 1.0001) == pytest.approx(1e-4 / 1.0001)
+
+
+def test_batches_drawn_by_the_script_itself_are_named_as_its_own_sampling():
+    """nanoGPT's way (examples/gpt_ddpkit.py): random windows per rank, no rt.loader."""
+    one, many = _run([1.0]), _run([1.1], world=2)
+    for run in (one, many):
+        run.steps[0].samples = None
+    verdict = compare(one, many)
+    assert verdict.cause == "own-sampler" and "nanoGPT" in verdict.why
