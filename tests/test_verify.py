@@ -80,20 +80,42 @@ def test_the_readme_example_passes_with_a_table_and_a_json_report(tmp_path):
     assert data["largest"] == max(s["relative"] for s in data["steps"])
 
 
-def test_batchnorm_passes_when_one_process_accumulates_the_ranks_batches(tmp_path):
-    """The planted BatchNorm 'bug' is only BatchNorm's batch: with --accum-steps 2 one process
-    takes rank 0's then rank 1's batch per step and computes what 2 processes do."""
-    proc = _ddpkit("verify", "--steps", "3", "--accum-steps", "2",
-                   os.path.join(BROKEN, "batchnorm.py"))
+def test_a_real_shaped_script_passes_with_workers_augmentation_and_mid_training_evaluation():
+    """tests/verify_script.py: BatchNorm, augmentation from the global generators in
+    __getitem__, 2 DataLoader workers, 1000 samples, clipping, OneCycleLR stepped per batch
+    (its length from len(loader)), AdamW, evaluation every 2 steps. With --accum-steps 2 one
+    process takes the 2 ranks' batches in turn: the same micro-batches, so BatchNorm agrees."""
+    proc = _ddpkit("verify", "--steps", "4", "--accum-steps", "2", "tests/verify_script.py",
+                   "--workers", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and "accumulating 2 micro-batches" in proc.stdout
+
+
+def test_augmentation_drawn_in_the_main_process_is_the_same_on_any_number_of_ranks(tmp_path):
+    """num_workers=0: __getitem__ draws from the main process's generators; under verify every
+    sample draws from its own seed, so 1 process and 2 augment each sample alike."""
+    script, args = os.path.join(ROOT, "tests", "verify_script.py"), ["--workers", "0"]
+    one = run_script(script, args, 1, 3, str(tmp_path / "one"), accum=2, timeout=240)
+    many = run_script(script, args, 2, 3, str(tmp_path / "many"), whole_epoch=False,
+                      timeout=240)
+    verdict = compare(one, many)
+    assert verdict.passed, verdict.steps
+
+
+def test_noise_drawn_in_the_loop_is_named(tmp_path):
+    script, args = os.path.join(ROOT, "tests", "verify_script.py"), ["--loop-noise"]
+    one = run_script(script, args, 1, 2, str(tmp_path / "one"), accum=2, timeout=240)
+    many = run_script(script, args, 2, 2, str(tmp_path / "many"), whole_epoch=False,
+                      timeout=240)
+    verdict = compare(one, many)
+    assert verdict.cause == "loop-randomness", (verdict.cause, verdict.why)
 
 
 def test_micro_step_sampler_takes_the_ranks_batches_in_turn():
     sampler = MicroStepSampler(range(10), micro_batch=2, num_replicas=2, rank=0, shuffle=False)
     # rank 0 of 2 takes 0 2 4 6 8, rank 1 takes 1 3 5 7 9; batches of 2, step by step
     assert list(sampler) == [0, 2, 1, 3, 4, 6, 5, 7, 8, 9]
-    assert len(sampler) == 10 and sampler.num_samples == 10
+    assert len(sampler) == 10 and sampler.num_samples == 5  # len(loader): one rank's batches
 
 
 # ---------------------------------------------------------------- bad input: one line each

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from . import probe
 from .env import ClusterEnv
 from .errors import ConfigError
-from .loader_seeds import EpochTagged, SeededSamples, WorkerInit, sample_seed, worker_seed
+from .loader_seeds import (EpochTagged, SeededEachSample, SeededSamples, WorkerInit, sample_seed,
+                           worker_seed)
 from .resident import ResidentData, batches_in, choose_resident, resident_batches
 
 
@@ -114,7 +115,7 @@ class MicroStepSampler(ResumableSampler):
 
     def __init__(self, *args: Any, micro_batch: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.micro_batch, self.num_samples = micro_batch, self.num_samples * self.num_replicas
+        self.micro_batch = micro_batch  # num_samples stays one rank's: len(loader) is in steps
 
     def __iter__(self) -> Iterator[int]:
         indices = self._remaining(self._epoch_indices())
@@ -198,9 +199,13 @@ class DistributedLoader:
         # With workers, each batch is drawn from its own seed (see ddpkit.loader_seeds); the
         # sampler always runs in this process, so set_epoch reaches it either way, and
         # persistent workers (the default when num_workers > 0) keep serving later epochs.
-        workers = self.loader_kwargs.get("num_workers", 0) > 0
+        # Under ddpkit verify every sample draws from its own seed, so augmentation does not
+        # depend on how a batch is split over ranks.
+        verify = probe.active() is not None
+        workers = self.loader_kwargs.get("num_workers", 0) > 0 or verify
         n = len(self.dataset)  # type: ignore[arg-type]
-        loader = DataLoader(SeededSamples(self.dataset, self.seed, n) if workers else self.dataset,
+        seeded = SeededEachSample if verify else SeededSamples
+        loader = DataLoader(seeded(self.dataset, self.seed, n) if workers else self.dataset,
                             batch_size=self.batch_size,
                             sampler=EpochTagged(self.sampler, n) if workers else self.sampler,
                             worker_init_fn=WorkerInit(self.seed, self.rank, self.epoch),

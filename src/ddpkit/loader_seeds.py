@@ -16,7 +16,8 @@ try:
 except ImportError:  # NumPy is optional
     _numpy = None
 
-__all__ = ["worker_seed", "sample_seed", "WorkerInit", "EpochTagged", "SeededSamples"]
+__all__ = ["worker_seed", "sample_seed", "WorkerInit", "EpochTagged", "SeededSamples",
+           "SeededEachSample"]
 
 
 def worker_seed(base_seed: int, rank: int, worker_id: int, epoch: int = 0) -> int:
@@ -116,3 +117,25 @@ class SeededSamples(Dataset):
         indices = [int(t) % self.length for t in tagged]
         batched = getattr(self.dataset, "__getitems__", None)  # e.g. Hugging Face datasets
         return list(batched(indices)) if batched else [self.dataset[i] for i in indices]
+
+
+class SeededEachSample(SeededSamples):
+    """Every sample's draws from its own :func:`sample_seed`, the caller's generators left as
+    they were: what a sample's augmentation draws no longer depends on how the batch is split
+    over ranks (``ddpkit verify`` compares 1 process with N this way, workers or none).
+
+    Example::
+
+        SeededEachSample(train_set, seed=0, length=len(train_set))[3 * len(train_set) + 17]
+    """
+
+    def __getitems__(self, tagged: List[int]) -> List[Any]:
+        saved = (torch.random.get_rng_state(), random.getstate(),
+                 _numpy.random.get_state() if _numpy is not None else None)
+        try:
+            return [self[t] for t in tagged]
+        finally:
+            torch.random.set_rng_state(saved[0])
+            random.setstate(saved[1])
+            if _numpy is not None:
+                _numpy.random.set_state(saved[2])

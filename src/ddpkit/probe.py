@@ -90,7 +90,7 @@ class Probe:
                  reverse: bool = False, seeded: bool = True, accum: int = 1) -> None:
         self.rank, self.world_size, self.steps, self.reverse = rank, world_size, steps, reverse
         self.accum = accum                # micro-batches per optimizer step (one process)
-        self._pending = False             # optimizer steps held back since the last real one
+        self._calls = 0                   # optimizer.step() calls (every accum-th happens)
         os.makedirs(directory, exist_ok=True)
         self._out = open(os.path.join(directory, f"rank{rank}.jsonl"), "w", buffering=1)
         self.step = 0
@@ -98,6 +98,8 @@ class Probe:
         self._losses: List[float] = []    # losses backpropagated since the last step
         self._clipped: Optional[float] = None  # clip_grad_norm_'s answer: the norm before it
         self._random_forward = False      # did a forward draw random numbers since the last step
+        self._random_loop = False         # did the loop draw between a batch and the forward
+        self._after_batch: Optional[torch.Tensor] = None  # the RNG as a batch was handed out
         self._models: List[nn.Module] = []
         self._write({"event": "start", "rank": rank, "world_size": world_size,
                      "seed": torch.initial_seed(), "seeded": seeded, "accum": accum,
@@ -126,7 +128,7 @@ class Probe:
 
         def recorded_clip(parameters: Any, max_norm: float, *args: Any,
                           **kwargs: Any) -> torch.Tensor:
-            if self._pending:  # a held-back micro-step: measure, clip the whole step later
+            if (self._calls + 1) % self.accum:  # the next step is held back: clip at the last
                 max_norm = float("inf")
             norm = clip(parameters, max_norm, *args, **kwargs)
             self._clipped = float(norm)
@@ -153,13 +155,12 @@ class Probe:
         probe, accum = self, self.accum
 
         def gated_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
-            opt._ddpkit_calls = getattr(opt, "_ddpkit_calls", 0) + 1
-            probe._pending = opt._ddpkit_calls % accum != 0
-            return None if probe._pending else type(opt).step(opt, *args, **kwargs)
+            probe._calls += 1
+            return type(opt).step(opt, *args, **kwargs) if probe._calls % accum == 0 else None
 
-        def unless_pending(method: Any) -> Any:
+        def unless_pending(method: Any) -> Any:  # only right after a step that happened
             def call(obj: Any, *args: Any, **kwargs: Any) -> Any:
-                return None if probe._pending else method(obj, *args, **kwargs)
+                return method(obj, *args, **kwargs) if probe._calls % accum == 0 else None
             return call
 
         init = Optimizer.__init__
@@ -200,12 +201,17 @@ class Probe:
     def batch(self, indices: List[int], last: bool) -> None:
         """``rt.loader`` handed out a batch of these samples (``last``: the epoch's last)."""
         self._indices.extend(int(i) for i in indices)
+        self._after_batch = torch.random.get_rng_state()
         if last:
             self._write({"event": "epoch_end", "step": self.step})
 
     # ------------------------------------------------------------------ hooks
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         module._ddpkit_rng = torch.random.get_rng_state()
+        if self._after_batch is not None and not torch.equal(self._after_batch,
+                                                             module._ddpkit_rng):
+            self._random_loop = True      # noise, mixup, a random crop in the loop itself
+        self._after_batch = None
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         before = getattr(module, "_ddpkit_rng", None)
@@ -233,14 +239,15 @@ class Probe:
         params = [p.detach().double() for group in optimizer.param_groups
                   for p in group["params"]]
         record = {"event": "step", "step": self.step, "samples": self._indices,
-                  "losses": self._losses, "lr": optimizer.param_groups[0].get("lr"),
-                  "random_forward": self._random_forward,
+                  "losses": self._losses, "lr": _number(optimizer.param_groups[0].get("lr")),
+                  "random_forward": self._random_forward, "random_loop": self._random_loop,
                   "param_sums": [float(p.sum()) for p in params],
                   "param_norm": float(torch.linalg.vector_norm(
                       torch.stack([p.norm() for p in params]))) if params else 0.0,
                   **getattr(self, "_grad", {})}
         self._write(record)
-        self._indices, self._losses, self._clipped, self._random_forward = [], [], None, False
+        self._indices, self._losses, self._clipped = [], [], None
+        self._random_forward = self._random_loop = False
         if self.step >= self.steps:
             self._finish()
 
@@ -258,3 +265,11 @@ class Probe:
 
     def _write(self, record: Dict[str, Any]) -> None:
         self._out.write(json.dumps(record) + "\n")
+
+
+def _number(value: Any) -> Optional[float]:
+    """A learning rate as a float (it may be a tensor), or None."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None

@@ -61,8 +61,9 @@ def _params(a: Step, b: Step) -> float:
 
 
 def _difference(a: Step, b: Step) -> Dict[str, float]:
+    lr = relative(a.lr, b.lr) if a.lr is not None and b.lr is not None else 0.0
     return {"loss": relative(a.loss, b.loss), "grad_norm": relative(a.grad_norm, b.grad_norm),
-            "params": _params(a, b)}
+            "params": _params(a, b), "lr": lr}
 
 
 def _spread(one: RunRecord, other: Optional[RunRecord]) -> List[float]:
@@ -89,7 +90,7 @@ def compare(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord] = No
 
     repeat = _spread(one, again)
     nondeterministic = again is not None and any(repeat) and not _explained_by_order(one, again)
-    random = any(s.random_forward for run in (one, many) for s in run.steps)
+    random = any(s.random_forward or s.random_loop for run in (one, many) for s in run.steps)
     order = _spread(one, None if random else reordered)  # random draws follow the sample order
     band = [min(max(MARGIN * max(r, a), FLOOR), CEILING) for r, a in zip(
         order, repeat if not nondeterministic else [0.0] * len(repeat))]

@@ -109,6 +109,13 @@ def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diagnos
                                      f"process ({k_one} micro-batches) what it is on "
                                      f"{many.world_size} ({k_many} each): the accumulation does "
                                      f"not divide each micro-batch's loss by their number")
+    if a.random_loop or b.random_loop:
+        return ("loop-randomness", f"step {a.step}: the training loop draws random numbers "
+                                   "between the batch and the forward (noise, mixup, a random "
+                                   "crop in the loop), and each rank draws its own: draw them "
+                                   "per sample in the dataset's __getitem__ (rt.loader seeds "
+                                   "every sample the same on any number of processes under "
+                                   "verify), or switch them off for the check")
     if b.random_forward:
         return ("model-randomness", f"step {a.step}: the model's forward draws random numbers "
                                     "(a functional dropout, noise), which differ per rank: on N "

@@ -29,6 +29,7 @@ class Step:
     lr: Optional[float] = None
     backwards: List[int] = field(default_factory=list)   # backward calls on each rank
     random_forward: bool = False      # a forward drew random numbers on some rank
+    random_loop: bool = False         # the loop drew between a batch and its forward
     no_grad: List[List[str]] = field(default_factory=list)  # per rank: parameters without one
     epoch_end: bool = False           # the epoch's last batch was in this step
 
@@ -99,5 +100,6 @@ def _merge(records: List[Dict[str, Any]], ends: List[set]) -> Step:
         param_sums=first["param_sums"], lr=first.get("lr"),
         backwards=[len(r["losses"]) for r in records],
         random_forward=any(r.get("random_forward") for r in records),
+        random_loop=any(r.get("random_loop") for r in records),
         no_grad=[r.get("no_grad", []) for r in records],
         epoch_end=any(n - 1 in e for e in ends))
