@@ -82,11 +82,12 @@ def test_the_readme_example_passes_with_a_table_and_a_json_report(tmp_path):
 
 def test_a_real_shaped_script_passes_with_workers_augmentation_and_mid_training_evaluation():
     """tests/verify_script.py: BatchNorm, augmentation from the global generators in
-    __getitem__, 2 DataLoader workers, 1000 samples, clipping, OneCycleLR stepped per batch
-    (its length from len(loader)), AdamW, evaluation every 2 steps. With --accum-steps 2 one
+    __getitem__, 2 DataLoader workers, 1000 samples, clipping imported before setup(), a
+    GradScaler, OneCycleLR stepped per batch (its length from len(loader)), AdamW, evaluation
+    every 2 steps. With --accum-steps 2 one
     process takes the 2 ranks' batches in turn: the same micro-batches, so BatchNorm agrees."""
-    proc = _ddpkit("verify", "--steps", "4", "--accum-steps", "2", "tests/verify_script.py",
-                   "--workers", "2")
+    proc = _ddpkit("verify", "--steps", "3", "--accum-steps", "2", "tests/verify_script.py",
+                   "--workers", "2", "--scaler")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and "accumulating 2 micro-batches" in proc.stdout
 
@@ -143,7 +144,20 @@ def test_a_script_that_never_steps_is_one_line(tmp_path):
 def test_more_steps_than_an_epoch_is_one_line():
     line = _one_error_line(_ddpkit("verify", "--steps", "40", os.path.join(BROKEN,
                                                                           "batchnorm.py")))
-    assert "more than an epoch (16 optimizer steps" in line and "--steps 16" in line
+    assert "goes past the script's epoch of 16 optimizer steps" in line and "--steps 16" in line
+
+
+def test_an_optimizer_made_before_setup_under_accum_steps_is_one_line(tmp_path):
+    script = tmp_path / "early.py"
+    script.write_text(
+        "import torch, ddpkit\nmodel = torch.nn.Linear(4, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "rt = ddpkit.setup(seed=0)\nmodel = rt.wrap(model)\n"
+        "data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 2))\n"
+        "for x, y in rt.loader(data, 8):\n"
+        "    (model(x) - y).pow(2).mean().backward(); opt.step(); opt.zero_grad()\n")
+    line = _one_error_line(_ddpkit("verify", "--steps", "2", "--accum-steps", "2", str(script)))
+    assert "create the optimizer after setup()" in line and "error: error" not in line
 
 
 def test_nproc_that_does_not_divide_the_global_batch_is_one_line():
@@ -219,3 +233,67 @@ def test_batches_drawn_by_the_script_itself_are_named_as_its_own_sampling():
         run.steps[0].samples = None
     verdict = compare(one, many)
     assert verdict.cause == "own-sampler" and "nanoGPT" in verdict.why
+
+
+def test_bf16_and_fp16_autocast_bound_the_band_by_their_roundings():
+    from ddpkit.verify.compare import bounds
+
+    assert bounds([]) == (FLOOR, 1e-3)
+    assert bounds(["float16"]) == (2.0 ** -10, 8 * 2.0 ** -10)
+    assert bounds(["bfloat16", "float16"]) == (2.0 ** -7, 8 * 2.0 ** -7)
+    one, many = _run([1.0, 1.0]), _run([1.0 + 3e-3, 1.0 + 3e-2], world=2)
+    reordered = _run([1.0, 1.0 + 2e-3])
+    assert not compare(one, many, reordered).passed              # fp32: at most 1e-3
+    one.autocast = many.autocast = ["bfloat16"]
+    verdict = compare(one, many, reordered)
+    assert [s["tolerance"] for s in verdict.steps] == pytest.approx([2.0 ** -7, 2e-2], rel=1e-2)
+    assert verdict.first_divergent == 2 and verdict.ceiling == 8 * 2.0 ** -7
+
+
+def test_the_probe_sees_autocast(tmp_path):
+    script = tmp_path / "bf16.py"
+    script.write_text(
+        "import torch, ddpkit\nrt = ddpkit.setup(seed=0)\n"
+        "model = rt.wrap(torch.nn.Linear(4, 2))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 2))\n"
+        "for x, y in rt.loader(data, 8):\n"
+        "    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "        loss = (model(x).float() - y).pow(2).mean()\n"
+        "    loss.backward(); opt.step(); opt.zero_grad()\n")
+    record = run_script(str(script), [], 1, 2, str(tmp_path / "one"), timeout=120)
+    assert record.autocast == ["bfloat16"] and len(record.steps) == 2
+
+
+def test_loaders_built_differently_fail_even_where_the_steps_compared_agree():
+    one, many = _run([1.0]), _run([1.0], world=2)
+    many.loaders = [{"seed": 0, "shuffle": True, "drop_last": True}] * 2
+    verdict = compare(one, many)
+    assert not verdict.passed and verdict.cause == "loader-drop_last"
+    assert "differs later" in verdict.why
+
+
+def test_the_json_report_is_strict_json_with_nan_losses():
+    from ddpkit.verify.report import as_json
+
+    verdict = compare(_run([float("nan")]), _run([1.0], world=2))
+    assert not verdict.passed
+    data = json.loads(as_json(verdict, 2, "s.py", []))   # NaN/inf written as null
+    assert data["steps"][0]["loss_1"] is None and data["steps"][0]["relative"] is None
+
+
+def test_a_run_that_hangs_is_stopped_with_its_ranks_and_one_line(tmp_path):
+    from ddpkit.errors import ConfigError
+
+    script = tmp_path / "hangs.py"
+    script.write_text("import os, time, ddpkit\nrt = ddpkit.setup(seed=0)\n"
+                      f"open(r'{tmp_path}/pid' + str(rt.rank), 'w').write(str(os.getpid()))\n"
+                      "time.sleep(600)\n")
+    with pytest.raises(ConfigError, match="ran past 8 s without recording its steps"):
+        run_script(str(script), [], 2, 1, str(tmp_path / "many"), timeout=8)
+    for rank in (0, 1):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        with pytest.raises(ProcessLookupError):   # the ranks went with the launcher
+            for _ in range(50):
+                os.kill(pid, 0)
+                __import__("time").sleep(0.1)

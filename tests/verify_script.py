@@ -1,7 +1,8 @@
 """A real-shaped script for tests/test_verify.py, written the way users write them: BatchNorm,
 augmentation in __getitem__ that draws from the global generators (torch and Python's random),
-DataLoader workers or none, an uneven dataset (1000 samples), clipping, a scheduler stepped per
-batch, an evaluation in the middle of training, its own loop. ``--loop-noise`` plants a bug:
+DataLoader workers or none, an uneven dataset (1000 samples), clipping imported before setup, a
+scheduler stepped per batch, optionally a GradScaler, an evaluation in the middle of training, its
+own loop. ``--loop-noise`` plants a bug:
 noise added in the loop itself, drawn per rank.
 
     ddpkit verify --accum-steps 2 tests/verify_script.py --workers 2     # PASS
@@ -11,6 +12,7 @@ import random
 
 import torch
 from torch import nn
+from torch.nn.utils import clip_grad_norm_  # bound before ddpkit.setup(), as scripts do
 from torch.utils.data import Dataset
 
 import ddpkit
@@ -39,6 +41,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--loop-noise", action="store_true")
+    parser.add_argument("--scaler", action="store_true", help="a GradScaler, as fp16 scripts do")
     args = parser.parse_args()
 
     rt = ddpkit.setup(seed=0)
@@ -48,6 +51,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = rt.loader(train, batch_size=32, num_workers=args.workers)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=10 * len(loader))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=args.scaler)
     step = 0
     for epoch in range(10):
         for x, y in loader:
@@ -55,9 +59,11 @@ def main():
                 x = x + 0.1 * torch.randn_like(x)
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
             sched.step()
             step += 1
             if step % 2 == 0:

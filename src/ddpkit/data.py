@@ -183,6 +183,7 @@ class DistributedLoader:
         self._generator = torch.Generator()
         self._finished = False   # the pass ran to its end (the next pass is the next epoch)
         self.pass_batches = len(self)  # batches in the pass in progress (less after a resume)
+        self.watched = False     # its batches are what ddpkit verify records
 
     def __len__(self) -> int:
         """Batches per rank in a full epoch."""
@@ -232,7 +233,7 @@ class DistributedLoader:
         batches = (resident_batches(self.resident, list(self.sampler), self.batch_size, drop,
                                     self.epoch, self.seed)
                    if self.resident is not None else self._dataloader())
-        watch = probe.active()
+        watch = probe.active() if self.watched else None
         for batch in batches:
             self.batches_done += 1
             if watch is not None:  # ddpkit verify: which samples, and another reduction order
@@ -361,6 +362,7 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
     if num_workers < 0:
         raise ConfigError(f"number of loader workers must be >= 0, got {num_workers}")
     watch = probe.active()
+    watch = watch if watch is not None and watch.claim_loader() else None  # the training data
     micro = watch.accum if watch is not None and env.world_size == 1 else 1
     if micro > 1:  # ddpkit verify --accum-steps: 1 process takes K ranks' batches in turn
         if per_rank % micro:
@@ -382,6 +384,7 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
     data = choose_resident(dataset, device or torch.device("cpu"), resident) \
         if collate_fn is None or resident is True else None
     loader = DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)
+    loader.watched = watch is not None
     _check_not_empty(loader, len(dataset), batch_size, env.world_size)  # type: ignore[arg-type]
     if watch is not None:  # ddpkit verify: how the loader was asked for
         watch.loader({"seed": seed, "shuffle": shuffle, "drop_last": drop_last,

@@ -12,11 +12,12 @@ import contextlib
 import json
 import os
 import sys
-import types
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+
+from .microsteps import HoldBack
 
 __all__ = ["VERIFY_VAR", "STEPS_VAR", "ORDER_VAR", "ACCUM_VAR", "Probe", "start", "active", "reverse_batch"]
 
@@ -90,7 +91,9 @@ class Probe:
                  reverse: bool = False, seeded: bool = True, accum: int = 1) -> None:
         self.rank, self.world_size, self.steps, self.reverse = rank, world_size, steps, reverse
         self.accum = accum                # micro-batches per optimizer step (one process)
-        self._calls = 0                   # optimizer.step() calls (every accum-th happens)
+        self._hold: Optional[HoldBack] = None  # accum > 1: optimizer steps held back
+        self._loss_scale = 1.0            # GradScaler's factor on the next backward's loss
+        self._watching_loader = False     # the first rt.loader is the one recorded
         os.makedirs(directory, exist_ok=True)
         self._out = open(os.path.join(directory, f"rank{rank}.jsonl"), "w", buffering=1)
         self.step = 0
@@ -99,7 +102,8 @@ class Probe:
         self._clipped: Optional[float] = None  # clip_grad_norm_'s answer: the norm before it
         self._random_forward = False      # did a forward draw random numbers since the last step
         self._random_loop = False         # did the loop draw between a batch and the forward
-        self._after_batch: Optional[torch.Tensor] = None  # the RNG as a batch was handed out
+        self._after_batch: Optional[List[torch.Tensor]] = None  # RNGs as a batch was handed out
+        self._dtypes: set = set()         # autocast dtypes seen in a forward
         self._models: List[nn.Module] = []
         self._write({"event": "start", "rank": rank, "world_size": world_size,
                      "seed": torch.initial_seed(), "seeded": seeded, "accum": accum,
@@ -116,19 +120,20 @@ class Probe:
 
         def recorded_backward(tensors: Any, grad_tensors: Any = None, *args: Any,
                               **kwargs: Any) -> Any:
-            if torch.is_tensor(tensors) and tensors.numel() == 1:
-                self._losses.append(float(tensors.detach()) / self.accum)
-                if self.accum > 1:  # K micro-batches make one step: each counts 1/K
-                    grad_tensors = torch.full_like(tensors, 1.0 / self.accum) \
-                        if grad_tensors is None else grad_tensors / self.accum
+            if torch.is_tensor(tensors) and tensors.numel() == 1:  # the loss, unscaled
+                self._losses.append(float(tensors.detach()) / self.accum / self._loss_scale)
+                self._loss_scale = 1.0
+            if self.accum > 1:  # K micro-batches make one step: each counts 1/K
+                grad_tensors = _divided(tensors, grad_tensors, self.accum)
             return backward(tensors, grad_tensors, *args, **kwargs)
 
         torch.autograd.backward = recorded_backward
+        self._watch_loss_scale()
         clip = torch.nn.utils.clip_grad_norm_
 
         def recorded_clip(parameters: Any, max_norm: float, *args: Any,
                           **kwargs: Any) -> torch.Tensor:
-            if (self._calls + 1) % self.accum:  # the next step is held back: clip at the last
+            if self._hold is not None and not self._hold.stepping():  # clip the whole step
                 max_norm = float("inf")
             norm = clip(parameters, max_norm, *args, **kwargs)
             self._clipped = float(norm)
@@ -136,6 +141,7 @@ class Probe:
 
         torch.nn.utils.clip_grad_norm_ = recorded_clip
         torch.nn.utils.clip_grad.clip_grad_norm_ = recorded_clip
+        _rebind(clip, recorded_clip)  # `from torch.nn.utils import clip_grad_norm_` in scripts
         iterate = torch.utils.data.DataLoader.__iter__
 
         def watched_iter(loader: Any) -> Any:
@@ -145,34 +151,23 @@ class Probe:
 
         torch.utils.data.DataLoader.__iter__ = watched_iter  # type: ignore[method-assign]
         if self.accum > 1:
-            self._hold_back_steps()
+            self._hold = HoldBack(self.accum)
+            self._hold.install()
 
-    def _hold_back_steps(self) -> None:
-        """Accumulate ``accum`` micro-batches per step in a loop that steps on every batch: the
-        optimizer steps every ``accum``-th call; zero_grad, the scheduler and clipping follow."""
-        from torch.optim import Optimizer
-        from torch.optim.lr_scheduler import LRScheduler
-        probe, accum = self, self.accum
+    def _watch_loss_scale(self) -> None:
+        """GradScaler.scale(loss): remember the factor, so the loss recorded is the loss."""
+        try:
+            from torch.amp import GradScaler
+        except ImportError:
+            return
+        scale = GradScaler.scale
 
-        def gated_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
-            probe._calls += 1
-            return type(opt).step(opt, *args, **kwargs) if probe._calls % accum == 0 else None
+        def scaled(scaler: Any, outputs: Any) -> Any:
+            if torch.is_tensor(outputs) and scaler.is_enabled():
+                self._loss_scale = float(scaler.get_scale()) or 1.0
+            return scale(scaler, outputs)
 
-        def unless_pending(method: Any) -> Any:  # only right after a step that happened
-            def call(obj: Any, *args: Any, **kwargs: Any) -> Any:
-                return method(obj, *args, **kwargs) if probe._calls % accum == 0 else None
-            return call
-
-        init = Optimizer.__init__
-
-        def gated_init(opt: Any, *args: Any, **kwargs: Any) -> None:
-            init(opt, *args, **kwargs)
-            opt.step = types.MethodType(gated_step, opt)  # a bound method, as schedulers expect
-
-        Optimizer.__init__ = gated_init  # type: ignore[method-assign]
-        Optimizer.zero_grad = unless_pending(Optimizer.zero_grad)  # type: ignore[method-assign]
-        nn.Module.zero_grad = unless_pending(nn.Module.zero_grad)  # type: ignore[method-assign]
-        LRScheduler.step = unless_pending(LRScheduler.step)  # type: ignore[method-assign]
+        GradScaler.scale = scaled  # type: ignore[method-assign]
 
     def model(self, module: nn.Module) -> None:
         """``rt.wrap`` hands over the user's module: turn its Dropout modules off (their masks
@@ -190,6 +185,12 @@ class Probe:
         self._write({"event": "model", "type": type(module).__name__, "dropouts_off":
                      len(dropouts), "batchnorms": len(norms)})
 
+    def claim_loader(self) -> bool:
+        """True for the script's first ``rt.loader`` (the training data): the one whose batches
+        are recorded, and split into micro-batches under ``--accum-steps``."""
+        first, self._watching_loader = not self._watching_loader, True
+        return first
+
     def loader(self, config: Dict[str, Any]) -> None:
         """``rt.loader`` says how it was built (seed, shuffle, drop_last, batch)."""
         self._write({"event": "loader", **config})
@@ -201,28 +202,31 @@ class Probe:
     def batch(self, indices: List[int], last: bool) -> None:
         """``rt.loader`` handed out a batch of these samples (``last``: the epoch's last)."""
         self._indices.extend(int(i) for i in indices)
-        self._after_batch = torch.random.get_rng_state()
+        self._after_batch = _rng()
         if last:
             self._write({"event": "epoch_end", "step": self.step})
 
     # ------------------------------------------------------------------ hooks
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        module._ddpkit_rng = torch.random.get_rng_state()
-        if self._after_batch is not None and not torch.equal(self._after_batch,
-                                                             module._ddpkit_rng):
+        module._ddpkit_rng = _rng()
+        if self._after_batch is not None and not _same(self._after_batch, module._ddpkit_rng):
             self._random_loop = True      # noise, mixup, a random crop in the loop itself
         self._after_batch = None
+        dtype = _autocast_dtype()
+        if dtype is not None and dtype not in self._dtypes:
+            self._dtypes.add(dtype)
+            self._write({"event": "autocast", "dtype": dtype})
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         before = getattr(module, "_ddpkit_rng", None)
-        if before is not None and not torch.equal(before, torch.random.get_rng_state()):
+        if before is not None and not _same(before, _rng()):
             self._random_forward = True
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._hold is not None:
+            self._hold.check(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad.detach().double() for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) \
-            if grads else 0.0
+        norm = _norm(p.grad for p in params if p.grad is not None)
         self._grad = {"grad_norm": self._clipped if self._clipped is not None else norm,
                       "no_grad": [self._name(p, i) for i, p in enumerate(params)
                                   if p.grad is None]}
@@ -236,14 +240,12 @@ class Probe:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step += 1
-        params = [p.detach().double() for group in optimizer.param_groups
-                  for p in group["params"]]
+        params = [p.detach() for group in optimizer.param_groups for p in group["params"]]
         record = {"event": "step", "step": self.step, "samples": self._indices,
                   "losses": self._losses, "lr": _number(optimizer.param_groups[0].get("lr")),
                   "random_forward": self._random_forward, "random_loop": self._random_loop,
-                  "param_sums": [float(p.sum()) for p in params],
-                  "param_norm": float(torch.linalg.vector_norm(
-                      torch.stack([p.norm() for p in params]))) if params else 0.0,
+                  "param_sums": [float(p.sum(dtype=torch.float64)) for p in params],
+                  "param_norm": _norm(params),
                   **getattr(self, "_grad", {})}
         self._write(record)
         self._indices, self._losses, self._clipped = [], [], None
@@ -261,6 +263,9 @@ class Probe:
                 tdist.barrier()  # every rank has written its records before any leaves
         sys.stdout.flush()
         sys.stderr.flush()
+        import multiprocessing
+        for child in multiprocessing.active_children():  # DataLoader workers hold our pipes
+            child.kill()
         os._exit(0)
 
     def _write(self, record: Dict[str, Any]) -> None:
@@ -273,3 +278,54 @@ def _number(value: Any) -> Optional[float]:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         return None
+
+
+def _rng() -> List[torch.Tensor]:
+    """The CPU generator's state, and the current GPU's once CUDA is in use (dropout on a GPU
+    draws from that one)."""
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+def _same(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _autocast_dtype() -> Optional[str]:
+    """"bfloat16"/"float16" inside an autocast region (CPU or GPU), else None."""
+    for device in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return str(torch.get_autocast_dtype(device)).replace("torch.", "")
+        except (TypeError, AttributeError, RuntimeError):  # torch < 2.4 spells it otherwise
+            return None
+    return None
+
+
+def _norm(tensors: Any) -> float:
+    """The 2-norm of all ``tensors`` together, in float64, one tensor at a time."""
+    return sum(float(t.detach().double().norm()) ** 2 for t in tensors) ** 0.5
+
+
+def _divided(tensors: Any, grads: Any, k: int) -> Any:
+    """``backward``'s gradient arguments for ``tensors`` divided by ``k``."""
+    if grads is None:
+        return torch.full_like(tensors, 1.0 / k) if torch.is_tensor(tensors) and \
+            tensors.numel() == 1 else None
+    if torch.is_tensor(grads):
+        return grads / k
+    return type(grads)(None if g is None else g / k for g in grads)
+
+
+def _rebind(original: Any, replacement: Any) -> None:
+    """Point the script's own names for ``original`` (imported before setup) at ``replacement``."""
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith(("torch", "ddpkit")):
+            continue
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict):
+            for key, value in list(names.items()):
+                if value is original:
+                    names[key] = replacement

@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="on 1 process, accumulate K micro-batches per step, the batches of K "
                         "ranks (K = N: the same micro-batch as on N; for BatchNorm models and "
                         "scripts that step on every batch)")
+    p.add_argument("--timeout", type=float, default=900, metavar="S",
+                   help="stop a run (and its ranks) still going after S s (default 900)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument("script", nargs="?", help="the script (it calls ddpkit.setup())")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -42,7 +44,10 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
         raise ConfigError("a script is required: ddpkit verify [--nproc N] [--steps S] "
                           "[--accum-steps K] SCRIPT [ARGS...]")
     _check_script(ns.script)
-    verdict = verify(ns.script, ns.script_args, ns.nproc, ns.steps, accum=ns.accum_steps)
+    if ns.timeout <= 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
+    verdict = verify(ns.script, ns.script_args, ns.nproc, ns.steps, timeout=ns.timeout,
+                     accum=ns.accum_steps)
     print(table(verdict, ns.nproc))
     print(summary(verdict, ns.nproc, ns.script, ns.accum_steps), flush=True)
     if ns.json:

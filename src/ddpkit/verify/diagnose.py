@@ -10,13 +10,13 @@ from typing import Optional, Tuple
 from .compare import relative
 from .records import RunRecord, Step
 
-__all__ = ["diagnose"]
+__all__ = ["diagnose", "loader_mismatch"]
 
 Diagnosis = Tuple[str, str]
 
 
 def diagnose(one: RunRecord, many: RunRecord, index: Optional[int],
-             again: Optional[RunRecord]) -> Diagnosis:
+             again: Optional[RunRecord], tolerance: float = 1e-6) -> Diagnosis:
     """``(cause, one sentence)`` for the first divergent step ``index`` (0-based).
 
     Example::
@@ -27,8 +27,12 @@ def diagnose(one: RunRecord, many: RunRecord, index: Optional[int],
     if again is not None:
         return _nondeterministic(one, again)
     a, b = one.steps[index], many.steps[index]
-    for check in (_wrong_micro_step, _samples, _loss, _gradients, _update):
+    for check in (_wrong_micro_step, _samples, _update):  # exact: no tolerance
         found = check(one, many, a, b)
+        if found is not None:
+            return found
+    for within in (_loss, _gradients):  # beyond the step's tolerance
+        found = within(one, many, a, b, tolerance)
         if found is not None:
             return found
     return ("unknown", f"step {a.step} differs but the samples, the loss, the gradient norm and "
@@ -41,8 +45,9 @@ def _nondeterministic(one: RunRecord, again: RunRecord) -> Diagnosis:
         return ("unseeded", "one process run twice already differs, and the script does not "
                             "seed (Python's and NumPy's generators start from a fresh seed each "
                             "run): pass ddpkit.setup(seed=0)")
-    step = next(a.step for a, b in zip(one.steps, again.steps)
-                if a.loss != b.loss or a.param_sums != b.param_sums)
+    step = next((a.step for a, b in zip(one.steps, again.steps)
+                 if (a.loss, a.grad_norm, a.lr, a.param_sums) !=
+                 (b.loss, b.grad_norm, b.lr, b.param_sums)), 1)
     return ("nondeterministic", f"one process run twice with the same seed already differs at "
                                 f"step {step}: non-deterministic kernels (atomics on a GPU, "
                                 "cuDNN autotuning); pass ddpkit.setup(deterministic=True) and "
@@ -63,27 +68,43 @@ def _samples(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diag
                                "rt.loader(dataset, global_batch_size)")
     if a.samples == b.samples:
         return None
-    advice = {"global_batch": "give rt.loader the global batch (batch_size=), not a per-rank "
-                              "one (per_rank_batch=), so a step takes the same samples on any "
-                              "number of processes",
-              "seed": "give every rank and every run the same seed= (not one from the rank or "
-                      "the clock)",
-              "drop_last": "pass the same drop_last= whatever the number of processes",
-              "shuffle": "pass the same shuffle= whatever the number of processes"}
-    for key, fix in advice.items():
-        mine = [str(l.get(key)) for l in one.loaders]
-        theirs = [str(l.get(key)) for l in many.loaders]
-        if set(mine) != set(theirs):
-            said = theirs[0] if len(set(theirs)) == 1 else "per rank " + ", ".join(theirs)
-            return (f"loader-{key}", f"step {a.step} uses other samples: rt.loader's {key}= is "
-                                     f"{mine[0]} on 1 process and {said} on {many.world_size}: "
-                                     f"{fix}")
+    mismatch = loader_mismatch(one, many, f"step {a.step} uses other samples")
+    if mismatch is not None:
+        return mismatch
     missing = sum((Counter(a.samples) - Counter(b.samples)).values())
     extra = sum((Counter(b.samples) - Counter(a.samples)).values())
     tail = " (at the end of an epoch: padding of uneven shards)" if a.epoch_end or b.epoch_end \
         else ""
     return ("samples", f"step {a.step} uses other samples: {missing} of the 1-process step's "
                        f"{len(a.samples)} are missing and {extra} others taken{tail}")
+
+
+_ADVICE = {"global_batch": "give rt.loader the global batch (batch_size=), not a per-rank one "
+                           "(per_rank_batch=), so a step takes the same samples on any number "
+                           "of processes",
+           "seed": "give every rank and every run the same seed= (not one from the rank or the "
+                   "clock)",
+           "drop_last": "pass the same drop_last= whatever the number of processes",
+           "shuffle": "pass the same shuffle= whatever the number of processes"}
+
+
+def loader_mismatch(one: RunRecord, many: RunRecord, what: str) -> Optional[Diagnosis]:
+    """``rt.loader`` built differently on N processes than on 1 (seed from the rank, drop_last
+    only when distributed, a per-rank batch): named even where the steps compared agree, since
+    the data differs somewhere (a later epoch, the epoch's end).
+
+    Example::
+
+        loader_mismatch(one, many, "the data differs at the end of each epoch")
+    """
+    for key, fix in _ADVICE.items():
+        mine = [str(loader.get(key)) for loader in one.loaders]
+        theirs = [str(loader.get(key)) for loader in many.loaders]
+        if set(mine) != set(theirs):
+            said = theirs[0] if len(set(theirs)) == 1 else "per rank " + ", ".join(theirs)
+            return (f"loader-{key}", f"{what}: rt.loader's {key}= is {mine[0]} on 1 process "
+                                     f"and {said} on {many.world_size}: {fix}")
+    return None
 
 
 def _wrong_micro_step(one: RunRecord, many: RunRecord, a: Step,
@@ -99,8 +120,9 @@ def _wrong_micro_step(one: RunRecord, many: RunRecord, a: Step,
     return None
 
 
-def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diagnosis]:
-    if relative(a.loss, b.loss) <= 1e-6:
+def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step,
+          tolerance: float) -> Optional[Diagnosis]:
+    if relative(a.loss, b.loss) <= tolerance:
         return None
     k_one, k_many = (a.backwards[0] if a.backwards else 1), (b.backwards[0] if b.backwards else 1)
     ratio = a.loss / b.loss if b.loss else 0.0
@@ -138,8 +160,9 @@ def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diagnos
                              "per rank differ); reduce (sum, count) over ranks instead")
 
 
-def _gradients(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diagnosis]:
-    if relative(a.grad_norm, b.grad_norm) <= 1e-6:
+def _gradients(one: RunRecord, many: RunRecord, a: Step, b: Step,
+               tolerance: float) -> Optional[Diagnosis]:
+    if relative(a.grad_norm, b.grad_norm) <= tolerance:
         return None
     without = [set(names) for names in b.no_grad]
     if any(w != without[0] for w in without) or (a.no_grad and without

@@ -50,6 +50,7 @@ class RunRecord:
     models: List[Dict[str, Any]]      # rank 0's wrapped models
     foreign_loader: bool              # a DataLoader of the script's own was iterated
     started: bool                     # setup() ran (the script is a ddpkit script)
+    autocast: List[str] = field(default_factory=list)  # autocast dtypes a forward ran under
 
 
 def load(directory: str) -> RunRecord:
@@ -75,7 +76,8 @@ def load(directory: str) -> RunRecord:
         loaders=[next((e for e in rank if e["event"] == "loader"), {}) for rank in events],
         models=[e for e in first if e["event"] == "model"],
         foreign_loader=any(e["event"] == "foreign_loader" for rank in events for e in rank),
-        started=bool(starts))
+        started=bool(starts),
+        autocast=sorted({e["dtype"] for rank in events for e in rank if e["event"] == "autocast"}))
 
 
 def _read(path: str) -> List[Dict[str, Any]]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Dict, List
 
-from .compare import FLOOR, MARGIN, Verdict
+from .compare import MARGIN, Verdict
 
 __all__ = ["table", "summary", "as_json"]
 
@@ -43,9 +44,16 @@ def summary(verdict: Verdict, nproc: int, script: str, accum: int = 1) -> str:
         return (f"PASS: {script} computes the same on {nproc} processes as on {one} over {steps} "
                 f"steps (largest relative difference {verdict.largest:.1e}; tolerance "
                 f"{MARGIN:g}x the spread of 1 process with its batches reversed, at least "
-                f"{FLOOR:g})")
+                f"{verdict.floor:g}{_dtype(verdict)})")
     where = f" at step {verdict.first_divergent}" if verdict.first_divergent else ""
     return f"FAIL{where} [{verdict.cause}]: {verdict.why}"
+
+
+def _dtype(verdict: Verdict) -> str:
+    if not verdict.autocast:
+        return ""
+    return (f", at most {verdict.ceiling:g}: bounds of {'/'.join(verdict.autocast)} autocast, "
+            "one to eight roundings")
 
 
 def as_json(verdict: Verdict, nproc: int, script: str, args: List[str], accum: int = 1) -> str:
@@ -57,6 +65,18 @@ def as_json(verdict: Verdict, nproc: int, script: str, args: List[str], accum: i
     """
     data: Dict[str, Any] = {"script": script, "args": list(args), "nproc": nproc,
                             "accum_steps": accum,
-                            "tolerance": {"margin": MARGIN, "floor": FLOOR},
+                            "tolerance": {"margin": MARGIN, "floor": verdict.floor,
+                                          "ceiling": verdict.ceiling},
                             **dataclasses.asdict(verdict)}
-    return json.dumps(data, indent=2)
+    return json.dumps(_finite(data), indent=2, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities as null: the report stays JSON that any parser reads."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

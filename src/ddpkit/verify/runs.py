@@ -4,11 +4,13 @@ with ``ddpkit.setup()`` recording every optimizer step (``ddpkit.probe``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..probe import ACCUM_VAR, ORDER_VAR, STEPS_VAR, VERIFY_VAR
@@ -22,8 +24,7 @@ PLAN = (("one", 1, False), ("many", None, False), ("reordered", 1, True), ("agai
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 # DDP's own words when a parameter got no gradient on some rank
-_UNUSED = ("Expected to have finished reduction", "did not receive grad",
-           "find_unused_parameters")
+_UNUSED = ("Expected to have finished reduction", "did not receive grad")
 
 
 class Diverged(Exception):
@@ -36,7 +37,7 @@ class Diverged(Exception):
 
 def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directory: str,
                reverse: bool = False, timeout: Optional[float] = None,
-               whole_epoch: bool = True, accum: int = 1) -> RunRecord:
+               whole_epoch: bool = True, accum: int = 1, nproc_many: int = 2) -> RunRecord:
     """Run ``script`` on ``nproc`` processes recording ``steps`` optimizer steps into
     ``directory``; one :class:`ConfigError` line when it fails or records nothing.
 
@@ -52,8 +53,11 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
         env[ACCUM_VAR] = str(accum)
     if nproc > 1:
         env.setdefault("TORCH_DISTRIBUTED_DEBUG", "INFO")  # DDP names unused parameters
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", str(nproc), script,
-                           *args], env=env, capture_output=True, text=True, timeout=timeout)
+    # One process needs no launcher (setup() runs it as a job of 1 on every core, as `ddpkit
+    # run --nproc 1` would); N processes run as `ddpkit run` runs them.
+    launch = [sys.executable, "-m", "ddpkit", "run", "--nproc", str(nproc)] if nproc > 1 else \
+        [sys.executable]
+    proc = _run([*launch, script, *args], env, timeout, f"{script} on {nproc} process(es)")
     record = load(directory)
     if proc.returncode != 0 and any(marker in proc.stderr for marker in _UNUSED):
         raise Diverged("unused-parameters", f"on {nproc} processes some parameters got no "
@@ -63,18 +67,41 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
                                             "find_unused_parameters=True")
     if proc.returncode != 0:
         raise ConfigError(_failed(script, nproc, proc.stderr, record))
-    return _checked(script, record, steps, whole_epoch, accum if nproc == 1 else 1)
+    return _checked(script, record, steps, whole_epoch, nproc_many, accum if nproc == 1 else 1)
+
+
+def _run(command: list, env: dict, timeout: Optional[float],
+         what: str) -> subprocess.CompletedProcess:
+    """Run ``command`` in a session of its own; past ``timeout`` kill all of it (the launcher
+    and its ranks) and say so in one line."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise ConfigError(f"{what} ran past {timeout:g} s without recording its steps: does it "
+                          "wait for input or hang? Run it with ddpkit run to see") from None
+    except BaseException:  # Ctrl-C: the runs go with verify
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def _failed(script: str, nproc: int, stderr: str, record: RunRecord) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     said = next((line for line in lines if line.startswith(("error:", "[rank"))), None) or \
         next((line for line in reversed(lines) if not line.startswith("ddpkit run:")), "")
+    said = said.strip()
+    said = said[len("error:"):].strip() if said.startswith("error:") else said
     where = f"after {len(record.steps)} recorded step(s)" if record.started else "at start-up"
     return f"{script} failed on {nproc} process(es) {where}: {said.strip()[:300]}"
 
 
-def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool,
+def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool, nproc: int = 2,
              accum: int = 1) -> RunRecord:
     if not record.started:
         raise ConfigError(f"{script} never called ddpkit.setup(): verify watches ddpkit "
@@ -83,19 +110,31 @@ def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool,
         raise ConfigError(f"{script} ran to the end without an optimizer step: nothing to "
                           "compare; verify a script that trains")
     ends = [s.step for s in record.steps if s.epoch_end]
-    if whole_epoch and ends and accum > 1 and ends[0] <= steps:
-        raise ConfigError(f"--steps {steps} reaches the end of an epoch ({ends[0]} optimizer "
-                          f"steps), whose micro-batches are uneven under --accum-steps "
-                          f"{accum}; pass --steps {max(ends[0] - 1, 1)} or less")
-    if whole_epoch and ends and ends[0] < steps:  # the 1-process epoch sets the limit
-        raise ConfigError(f"--steps {steps} is more than an epoch ({ends[0]} optimizer steps "
-                          f"on {record.world_size} process(es)): its last batch is padded "
-                          f"differently on N processes; pass --steps {ends[0]} or less")
+    if whole_epoch and ends:  # the 1-process epoch sets the limit
+        limit, why = _epoch_limit(ends[0], record.loaders[0] if record.loaders else {}, nproc,
+                                  accum)
+        if steps > limit:
+            advice = f"pass --steps {limit} or less" if limit else "give it more samples"
+            raise ConfigError(f"--steps {steps} goes past the script's epoch of {ends[0]} "
+                              f"optimizer steps{why}; {advice}")
     if len(record.steps) < steps:
         raise ConfigError(f"{script} ended after {len(record.steps)} optimizer step(s), fewer "
                           f"than --steps {steps} on {record.world_size} process(es); pass "
                           f"--steps {len(record.steps)} or less")
     return record
+
+
+def _epoch_limit(steps: int, loader: dict, nproc: int, accum: int) -> Tuple[int, str]:
+    """The steps of an epoch that N processes take alike, and why the last one is left out."""
+    samples, batch = loader.get("samples", 0), max(loader.get("global_batch") or 1, 1)
+    if loader.get("drop_last") or not samples:
+        return steps, ""
+    if samples % nproc:
+        return steps - 1, (f", and its last step is padded on {nproc} processes ({samples} "
+                           f"samples do not split evenly)")
+    if accum > 1 and samples % batch:
+        return steps - 1, ", and its last step is short: uneven micro-batches for --accum-steps"
+    return steps, ""
 
 
 def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 10,
@@ -122,12 +161,12 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
             for name, n, reverse in PLAN:
                 records[name] = run_script(script, args, n or nproc, steps,
                                            os.path.join(tmp, name), reverse, timeout,
-                                           whole_epoch=name == "one", accum=accum)
+                                           whole_epoch=name == "one", accum=accum,
+                                           nproc_many=nproc)
                 if name == "one":
                     _check_divides(records["one"], nproc)
         except Diverged as exc:
-            return Verdict(passed=False, steps=[], largest=float("nan"), cause=exc.cause,
-                           why=exc.why)
+            return Verdict(passed=False, steps=[], largest=None, cause=exc.cause, why=exc.why)
     return compare(records["one"], records["many"], records["reordered"], records["again"])
 
 
