@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from ..errors import DDPKitError, JobSetupError
 from ..launch.srun import is_first_task
-from . import bench, ckpt, run, slurm, train, verify
+from . import bench, ckpt, doctor, plan, run, slurm, train, verify
 
 __all__ = ["main", "entry", "build_parser"]
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "processes, train the built-in job, measure, render sbatch.")
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (run, train, verify, slurm, bench, ckpt):
+    for command in (run, train, verify, doctor, plan, slurm, bench, ckpt):
         command.add_parser(sub)
     return parser
 

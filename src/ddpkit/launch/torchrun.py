@@ -223,6 +223,8 @@ def run(cfg: RunConfig) -> int:
     nproc = _validate(cfg)
     extra, plan = _network(cfg)
     _child_environment(nproc, plan.iface)
+    if cfg.rdzv_endpoint:  # the workers know their job's rendezvous (ddpkit doctor's ports)
+        os.environ[RDZV_ENDPOINT_VAR] = cfg.rdzv_endpoint
     if not cfg.verbose:
         _quiet_agent_logs()
     previous_pid = os.environ.get(LAUNCHER_PID_VAR)
@@ -256,6 +258,10 @@ def run(cfg: RunConfig) -> int:
         else:
             os.environ[LAUNCHER_PID_VAR] = previous_pid
     return 0
+
+
+#: The rendezvous endpoint of the job a worker belongs to, as ``ddpkit run`` was given it.
+RDZV_ENDPOINT_VAR = "DDPKIT_RDZV_ENDPOINT"
 
 
 def _parse(parser: Any, argv: List[str]) -> Any:

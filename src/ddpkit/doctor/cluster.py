@@ -1,0 +1,144 @@
+"""What ``ddpkit doctor`` measures across the ranks of a job: a collective on the group's
+backend, the clocks' offsets, whether the checkpoint directory is shared, and an all-reduce sweep
+(algbw and busbw as nccl-tests defines them) fitted to a latency and a bandwidth.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as tdist
+
+from ..errors import JobSetupError
+from ..plan.cost import Link, bandwidths, fit_link
+from ..shared_dir import check_shared
+from .checks import Finding
+
+__all__ = ["collective", "clocks", "shared", "sweep", "sweep_sizes", "link_finding"]
+
+
+def collective(device: torch.device) -> Finding:
+    """An all-reduce on the job's backend, checked; on every rank.
+
+    Example::
+
+        collective(torch.device("cpu"))   # ok    backend: gloo all-reduce over 2 ranks
+    """
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    backend = tdist.get_backend() if tdist.is_initialized() else "none (one process)"
+    ones = torch.ones(4, device=device)
+    if world > 1:
+        tdist.all_reduce(ones)
+    if not torch.equal(ones.cpu(), torch.full((4,), float(world))):
+        return Finding("backend", "FAIL", f"{backend} all-reduce over {world} ranks gave "
+                                          f"{ones.tolist()}, not {world}",
+                       "check the devices and the NCCL/gloo set-up (NCCL_DEBUG=INFO)")
+    return Finding("backend", "ok", f"{backend} all-reduce over {world} rank(s) on {device.type}")
+
+
+def clocks(rank_times: List[Tuple[float, float]]) -> Finding:
+    """``(before, after)`` of each rank around one gather: rank r's offset from rank 0 is known
+    to within the gather's duration. Example::
+
+        clocks([(0.0, 0.01), (5.0, 5.01)])   # FAIL: 5 s apart
+    """
+    base = sum(rank_times[0]) / 2
+    offsets = [sum(t) / 2 - base for t in rank_times]
+    slack = max(after - before for before, after in rank_times)
+    worst = max(offsets, key=abs)
+    if abs(worst) > max(1.0, 2 * slack):
+        return Finding("clocks", "FAIL", f"rank {offsets.index(worst)}'s clock is {worst:+.2f} s "
+                                         "from rank 0's", "run NTP (chrony) on every node: logs, "
+                                                          "checkpoint times and timeouts agree")
+    return Finding("clocks", "ok", f"within {max(abs(worst), slack) * 1e3:.0f} ms of rank 0 on "
+                                   f"all {len(rank_times)} rank(s)")
+
+
+def shared(directory: Optional[str], num_nodes: int) -> Finding:
+    """Is ``directory`` (checkpoints) one directory for every node? Call on every rank.
+
+    Example::
+
+        shared("/shared/ckpt", 2)
+    """
+    if not directory:
+        return Finding("checkpoints", "ok", "no --output given: not checked")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".ddpkit-doctor-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+        check_shared(directory, num_nodes, wait_s=5.0)
+    except JobSetupError as exc:
+        return Finding("checkpoints", "FAIL", str(exc).split(":")[0],
+                       f"put --output {directory} on storage every node mounts (NFS, Lustre)")
+    except OSError as exc:
+        return Finding("checkpoints", "FAIL", f"{directory} is not writable here ({exc.strerror})",
+                       "give an --output this user can write")
+    nodes = "every node sees it" if num_nodes > 1 else "one node: sharing not needed"
+    return Finding("checkpoints", "ok", f"{directory} writable; {nodes}")
+
+
+def sweep_sizes(max_bytes: int, min_bytes: int = 1024) -> List[int]:
+    """1 KiB, 4 KiB, ... up to ``max_bytes`` (x4 steps, float32 elements).
+
+    Example::
+
+        sweep_sizes(1 << 20)   # [1024, 4096, 16384, 65536, 262144, 1048576]
+    """
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def sweep(device: torch.device, sizes: List[int], budget_s: float = 2.0) -> List[Dict[str, Any]]:
+    """Time all-reduces of each size on every rank (the slowest rank's median); rank 0 gets
+    the rows. Example::
+
+        sweep(torch.device("cpu"), sweep_sizes(1 << 20))
+    """
+    world = tdist.get_world_size()
+    rows = []
+    for size in sizes:
+        buffer = torch.ones(size // 4, device=device)
+        for _ in range(3):  # warm-up: buffers, connections, caches
+            tdist.all_reduce(buffer)
+        times: List[float] = []
+        while len(times) < 3 or (len(times) < 20 and sum(times) < budget_s / len(sizes)):
+            _sync(device)
+            start = time.perf_counter()
+            tdist.all_reduce(buffer)
+            _sync(device)
+            took = torch.tensor([time.perf_counter() - start])
+            tdist.all_reduce(took, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
+            times.append(float(took))  # the same on every rank: they all loop alike
+        seconds = sorted(times)[len(times) // 2]
+        algbw, busbw = bandwidths(size, world, seconds)
+        rows.append({"bytes": size, "seconds": seconds, "algbw": algbw, "busbw": busbw,
+                     "repeats": len(times)})
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def link_finding(rows: List[Dict[str, Any]], world: int) -> Tuple[Finding, Link]:
+    """The fitted latency and bandwidth, and the peak bus bandwidth seen.
+
+    Example::
+
+        finding, link = link_finding(rows, 2)
+    """
+    link = fit_link([r["bytes"] for r in rows], [r["seconds"] for r in rows], world)
+    peak = max(r["busbw"] for r in rows)
+    return (Finding("link", "ok", f"all-reduce over {world} ranks: alpha {link.alpha * 1e6:.1f} "
+                                  f"us, beta {link.beta / 1e6:.1f} MB/s, peak busbw "
+                                  f"{peak / 1e6:.1f} MB/s (ddpkit plan --link <this --json>)"),
+            link)

@@ -1,0 +1,206 @@
+"""The step-time model behind ``ddpkit plan`` and ``ddpkit doctor``, pure functions: the
+alpha-beta cost of a ring all-reduce, DDP's gradient buckets overlapped with the backward pass,
+and what each comm hook sends and costs.
+
+    ring all-reduce of B bytes on N ranks     t = 2(N-1) alpha + 2(N-1)/N * B / beta
+    nccl-tests' bandwidths                    algbw = B / t,  busbw = algbw * 2(N-1)/N
+    a DDP step                                forward, then backward producing the buckets in
+                                              reverse order (ready in proportion to their bytes),
+                                              each bucket all-reduced once it is ready and the
+                                              previous one is done; step = max(backward end,
+                                              last all-reduce end) + the hook's own compute
+    fp16 / bf16 hooks                         2 bytes per gradient element instead of 4
+    PowerSGD, rank r                          a matrix m x n sends (m + n) r floats in two
+                                              all-reduces (P, then Q) and costs 4mnr + 2mr^2
+                                              flops; vectors and matrices it would not shrink
+                                              2x go uncompressed, in a third all-reduce
+                                              (torch's min_compression_rate)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+__all__ = ["Link", "LINKS", "ring_allreduce_seconds", "bandwidths", "fit_link", "buckets",
+           "HookCost", "hook_cost", "StepTime", "step_time", "FIRST_BUCKET", "BUCKET_CAP"]
+
+#: DDP's bucket sizes: the first bucket is small so communication starts early.
+FIRST_BUCKET = 1 << 20
+BUCKET_CAP = 25 << 20
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between ranks: latency ``alpha`` (s per message hop) and bandwidth ``beta``
+    (bytes/s). Example::
+
+        Link("1gbit", alpha=50e-6, beta=117.5e6)
+    """
+
+    name: str
+    alpha: float
+    beta: float
+
+
+def _ethernet(name: str, bits_per_s: float, alpha: float = 50e-6) -> Link:
+    # TCP over Ethernet carries ~94% of the line rate as payload (1448 of 1538 bytes a frame)
+    return Link(name, alpha, bits_per_s / 8 * 0.94)
+
+
+#: Named links for ``plan --link``: line rate, 94% of it as TCP payload, 50 us per hop (a
+#: kernel TCP stack). ``doctor`` measures the real ones.
+LINKS = {name: _ethernet(name, rate) for name, rate in (
+    ("10mbit", 10e6), ("100mbit", 100e6), ("1gbit", 1e9), ("10gbit", 10e9), ("25gbit", 25e9),
+    ("100gbit", 100e9))}
+
+
+def ring_allreduce_seconds(nbytes: float, ranks: int, link: Link, calls: int = 1) -> float:
+    """Time of ``calls`` ring all-reduces moving ``nbytes`` in all on ``ranks`` ranks.
+
+    Example::
+
+        ring_allreduce_seconds(100e6, 4, LINKS["10gbit"])   # ~0.128 s
+    """
+    if ranks <= 1:
+        return 0.0
+    return calls * 2 * (ranks - 1) * link.alpha + 2 * (ranks - 1) / ranks * nbytes / link.beta
+
+
+def bandwidths(nbytes: float, ranks: int, seconds: float) -> Tuple[float, float]:
+    """``(algbw, busbw)`` in bytes/s as nccl-tests defines them for all-reduce.
+
+    Example::
+
+        bandwidths(1e9, 8, 0.5)   # (2e9, 3.5e9)
+    """
+    algbw = nbytes / seconds
+    return algbw, algbw * 2 * (ranks - 1) / ranks
+
+
+def fit_link(sizes: Sequence[float], seconds: Sequence[float], ranks: int,
+             name: str = "measured") -> Link:
+    """Least-squares ``t = a + b B`` over an all-reduce sweep, turned into alpha and beta.
+
+    Example::
+
+        fit_link([1e3, 1e6, 1e8], [1e-4, 1e-3, 0.1], ranks=2)
+    """
+    if ranks < 2 or len(sizes) < 2:
+        raise ValueError("fitting a link needs at least 2 ranks and 2 message sizes")
+    n = len(sizes)
+    mean_b, mean_t = sum(sizes) / n, sum(seconds) / n
+    var = sum((b - mean_b) ** 2 for b in sizes)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes, seconds)) / var
+    intercept = max(mean_t - slope * mean_b, 0.0)
+    beta = 2 * (ranks - 1) / ranks / slope if slope > 0 else math.inf
+    return Link(name, intercept / (2 * (ranks - 1)), beta)
+
+
+def buckets(tensor_bytes: Sequence[int], cap: int = BUCKET_CAP,
+            first: int = FIRST_BUCKET) -> List[List[int]]:
+    """Group gradients (in ``model.parameters()`` order) into DDP's buckets, in the order they
+    become ready: reverse, the first bucket ``first`` bytes, the others ``cap``.
+
+    Example::
+
+        buckets([4 << 20] * 3, cap=8 << 20, first=1 << 20)   # [[2], [1, 0]] as indices
+    """
+    out: List[List[int]] = []
+    current: List[int] = []
+    size, limit = 0, first
+    for index in reversed(range(len(tensor_bytes))):
+        current.append(index)
+        size += tensor_bytes[index]
+        if size >= limit:
+            out.append(current)
+            current, size, limit = [], 0, cap
+    if current:
+        out.append(current)
+    return out
+
+
+@dataclass(frozen=True)
+class HookCost:
+    """What a hook sends for one bucket and what it computes. Example::
+
+        hook_cost("bf16", [(512, 512)])   # HookCost(bytes=524288, calls=1, flops=0)
+    """
+
+    bytes: float
+    calls: int
+    flops: float
+
+
+def _powersgd(shape: Tuple[int, ...], rank: int) -> Tuple[float, float, bool]:
+    """(floats sent, flops, compressed?) for one gradient tensor."""
+    numel = math.prod(shape)
+    if len(shape) < 2:
+        return numel, 0.0, False
+    m, n = shape[0], numel // shape[0]
+    r = min(rank, m, n)
+    if m * n < 2 * (m + n) * r:  # torch's min_compression_rate = 2: not worth compressing
+        return numel, 0.0, False
+    return (m + n) * r, 4.0 * m * n * r + 2.0 * m * r * r, True
+
+
+def hook_cost(hook: str, shapes: Sequence[Tuple[int, ...]], rank: int = 2) -> HookCost:
+    """Bytes, all-reduce calls and extra flops of one bucket's gradients under ``hook``
+    ("none", "fp16", "bf16" or "powersgd").
+
+    Example::
+
+        hook_cost("powersgd", [(1024, 1024), (1024,)], rank=4)
+    """
+    numel = sum(math.prod(s) for s in shapes)
+    if hook in ("none", None):
+        return HookCost(4.0 * numel, 1, 0.0)
+    if hook in ("fp16", "bf16"):
+        return HookCost(2.0 * numel, 1, 0.0)
+    if hook != "powersgd":
+        raise ValueError(f"unknown comm hook {hook!r}: none, fp16, bf16 or powersgd")
+    parts = [_powersgd(tuple(s), rank) for s in shapes]
+    floats = sum(p[0] for p in parts)
+    compressed = any(p[2] for p in parts)
+    # torch's hook: the uncompressed tensors in one all-reduce, then P, then Q
+    calls = (2 if compressed else 0) + (1 if not all(p[2] for p in parts) else 0)
+    return HookCost(4.0 * floats, calls, sum(p[1] for p in parts))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One predicted step: total and its parts (seconds). Example::
+
+        step_time(0.1, [[(1000, 1000)]], 4, LINKS["1gbit"]).total
+    """
+
+    total: float
+    compute: float
+    communication: float   # all-reduce time, overlapped or not
+    exposed: float         # the part of it the step waits for
+    hook_compute: float
+
+
+def step_time(compute_s: float, bucket_shapes: Sequence[Sequence[Tuple[int, ...]]], ranks: int,
+              link: Link, hook: str = "none", rank: int = 2, flops_per_s: float = 1e11,
+              forward_share: float = 1 / 3) -> StepTime:
+    """Predict a DDP step: ``compute_s`` is forward + backward of one rank's batch on its device,
+    ``bucket_shapes`` the gradients' shapes per bucket in ready order (see :func:`buckets`).
+
+    Example::
+
+        step_time(0.2, [[(512, 512)], [(512, 512)]], ranks=4, link=LINKS["10gbit"], hook="bf16")
+    """
+    forward = compute_s * forward_share
+    backward = compute_s - forward
+    costs = [hook_cost(hook, shapes, rank) for shapes in bucket_shapes]
+    extra = sum(c.flops for c in costs) / flops_per_s if ranks > 1 else 0.0
+    total_bytes = sum(c.bytes for c in costs) or 1.0
+    done, ready, comm = 0.0, forward, 0.0
+    for cost in costs:
+        ready += backward * cost.bytes / total_bytes
+        seconds = ring_allreduce_seconds(cost.bytes, ranks, link, cost.calls)
+        done = max(ready, done) + seconds
+        comm += seconds
+    end = max(compute_s, done) if ranks > 1 else compute_s
+    return StepTime(end + extra, compute_s, comm, end - compute_s, extra)

@@ -1,0 +1,75 @@
+"""What ``ddpkit plan`` prints: one row per node count and hook, the recommendation per node
+count, and every assumption the prediction rests on; and the same as JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Dict, List, Sequence
+
+from .cost import Link
+from .predict import Row, Workload, recommend
+
+__all__ = ["table", "advice", "assumptions", "as_json"]
+
+
+def table(rows: Sequence[Row]) -> str:
+    """Aligned text. Example::
+
+        print(table(predict(work, [1, 2], LINKS["1gbit"])))
+    """
+    lines = [f"{'nodes':>5} {'ranks':>5}  {'hook':<8} {'step ms':>9} {'comm ms':>9} "
+             f"{'waits ms':>9} {'samples/s':>10} {'efficiency':>10}"]
+    for r in rows:
+        lines.append(f"{r.nodes:>5} {r.ranks:>5}  {r.hook:<8} {1e3 * r.step.total:>9.1f} "
+                     f"{1e3 * r.step.communication:>9.1f} {1e3 * r.step.exposed:>9.1f} "
+                     f"{r.samples_per_s:>10.1f} {r.efficiency:>10.0%}")
+    return "\n".join(lines)
+
+
+def advice(rows: Sequence[Row]) -> List[str]:
+    """One line per node count: the hook to use and why. Example::
+
+        advice(rows)   # ['2 nodes: bf16 (+31% samples/s over plain all-reduce)', ...]
+    """
+    out = []
+    for nodes, (hook, gain) in recommend(rows).items():
+        if hook == "none":
+            out.append(f"{nodes} node(s): no compression (no hook gains more than 5% here)")
+        else:
+            risk = "; PowerSGD approximates the gradients: check the accuracy" \
+                if hook == "powersgd" else ""
+            out.append(f"{nodes} node(s): --comm-hook {hook} (+{gain:.0%} samples/s over plain "
+                       f"all-reduce{risk})")
+    return out
+
+
+def assumptions(work: Workload, link: Link, flops: float, inside: Link) -> List[str]:
+    """What the numbers rest on, stated. Example::
+
+        assumptions(work, LINKS["1gbit"], 5e10, LINKS["10gbit"])
+    """
+    return [f"model: {work.name}, {work.params:,} parameters, {len(work.bucket_shapes)} "
+            f"bucket(s) (1 MiB first, then 25 MiB, as DDP makes them)",
+            f"compute: {1e3 * work.compute_s:.1f} ms forward+backward for {work.batch} "
+            "samples per rank; forward 1/3 of it, gradients ready in proportion to their bytes",
+            f"between nodes: {link.name}, alpha {1e6 * link.alpha:.1f} us, beta "
+            f"{link.beta / 1e6:.1f} MB/s; inside a node: {inside.name}",
+            f"ring all-reduce; PowerSGD extra compute at {flops / 1e9:.1f} Gflop/s measured"]
+
+
+def as_json(rows: Sequence[Row], work: Workload, link: Link) -> str:
+    """The prediction for machines. Example::
+
+        open("plan.json", "w").write(as_json(rows, work, link))
+    """
+    data: Dict[str, Any] = {
+        "workload": {"name": work.name, "params": work.params, "compute_s": work.compute_s,
+                     "batch": work.batch, "buckets": len(work.bucket_shapes)},
+        "link": dataclasses.asdict(link),
+        "rows": [{"nodes": r.nodes, "ranks": r.ranks, "hook": r.hook,
+                  "samples_per_s": r.samples_per_s, "efficiency": r.efficiency,
+                  **dataclasses.asdict(r.step)} for r in rows],
+        "recommendation": {str(k): {"hook": h, "gain": g} for k, (h, g) in
+                           recommend(rows).items()}}
+    return json.dumps(data, indent=2)

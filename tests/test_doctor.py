@@ -1,0 +1,93 @@
+"""``ddpkit doctor``: every finding on 2 real processes with an all-reduce sweep whose JSON
+``ddpkit plan`` reads; one process; bad input one line; the findings that need a broken cluster
+(versions that differ, clocks apart, no route) on facts made by hand."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit.cli import main
+from ddpkit.doctor.checks import routes, versions
+from ddpkit.doctor.cluster import clocks, sweep_sizes
+from ddpkit.doctor.run import parse_size
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ddpkit(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_doctor_on_two_processes_checks_everything_and_plan_reads_its_link(tmp_path):
+    report = tmp_path / "doctor.json"
+    proc = _ddpkit("doctor", "--nproc", "2", "--max-bytes", "256K", "--output",
+                   str(tmp_path / "ckpt"), "--json", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    names = [line.split(":")[0].split()[-1] for line in lines if line.startswith(("ok", "warn"))]
+    assert names == ["versions", "backend", "network", "ports", "checkpoints", "clocks", "link"]
+    assert "gloo all-reduce over 2 rank(s)" in proc.stdout
+    data = json.loads(report.read_text())
+    assert [r["bytes"] for r in data["sweep"]] == [1024, 4096, 16384, 65536, 262144]
+    for row in data["sweep"]:
+        assert row["busbw"] == pytest.approx(row["algbw"])   # 2(N-1)/N = 1 for N = 2
+        assert row["algbw"] == pytest.approx(row["bytes"] / row["seconds"])
+    assert data["link"]["alpha"] >= 0 and data["link"]["beta"] > 0
+    assert len(data["facts"]) == 2 and all(f["verdict"] != "FAIL" for f in data["findings"])
+    assert main(["plan", "--params", "1e6", "--compute-ms", "10", "--nodes", "2",
+                 "--link", str(report)]) == 0
+
+
+def test_doctor_on_one_process_and_an_unwritable_checkpoint_directory(capsys):
+    assert main(["doctor", "--nproc", "1", "--output", "/proc/ddpkit-doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  checkpoints: /proc/ddpkit-doctor is not writable here" in out
+    assert "one process: nothing to measure" in out
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--max-bytes", "12"], "--max-bytes '12'"),
+    (["--max-bytes", "lots"], "--max-bytes 'LOTS'"),
+    (["--nproc", "0"], "--nproc must be >= 1"),
+])
+def test_bad_doctor_input_is_one_line(args, said, capsys):
+    assert main(["doctor", *args]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and said in err[0], err
+
+
+def test_sizes_and_units():
+    assert sweep_sizes(1 << 20) == [1024, 4096, 16384, 65536, 262144, 1048576]
+    assert parse_size("256M") == 256 << 20 and parse_size("64KiB") == 64 << 10
+    assert parse_size("1g") == 1 << 30 and parse_size("4096") == 4096
+
+
+def test_findings_of_a_broken_cluster_name_the_fix():
+    facts = [{"host": "a", "torch": "2.13.0", "python": "3.11", "cuda": None, "nccl": None,
+              "iface": "eth0", "source": "10.0.0.1"},
+             {"host": "b", "torch": "2.11.0", "python": "3.11", "cuda": None, "nccl": None,
+              "iface": None, "source": None}]
+    found = versions(facts)
+    assert found.verdict == "FAIL" and "2.13.0 on a; 2.11.0 on b" in found.detail
+    assert "install one torch version" in found.line()
+    assert routes(facts, "10.0.0.1").verdict == "warn"
+    assert "b" in routes(facts, "10.0.0.1").detail
+    apart = clocks([(100.0, 100.01), (105.0, 105.01)])
+    assert apart.verdict == "FAIL" and "+5.00 s" in apart.detail and "NTP" in apart.fix
+    assert clocks([(100.0, 100.02), (100.01, 100.03)]).verdict == "ok"
+
+
+def test_a_checkpoint_directory_the_nodes_do_not_share_fails_with_the_fix(tmp_path, monkeypatch):
+    from ddpkit.doctor import cluster
+    from ddpkit.errors import JobSetupError
+
+    def blind(directory, num_nodes, wait_s):
+        raise JobSetupError(f"checkpoint directory {directory} is not shared between the nodes: "
+                            "node1 cannot see what rank 0 writes there")
+    monkeypatch.setattr(cluster, "check_shared", blind)
+    found = cluster.shared(str(tmp_path), 2)
+    assert found.verdict == "FAIL" and "is not shared between the nodes" in found.detail
+    assert "storage every node mounts" in found.fix

@@ -1,0 +1,116 @@
+"""``ddpkit.plan``: the alpha-beta ring formula, nccl-tests' bandwidths, a fit that recovers the
+link it was made from, DDP's buckets, each hook's bytes and compute, the overlapped step, the
+recommendation's 5% rule, and ``ddpkit plan`` on the command line (bad input one line each)."""
+import json
+import math
+
+import pytest
+from torch import nn
+
+from ddpkit.cli import main
+from ddpkit.plan.cost import (LINKS, Link, bandwidths, buckets, fit_link, hook_cost,
+                              ring_allreduce_seconds, step_time)
+from ddpkit.plan.predict import Row, predict, recommend, synthetic_workload, workload_of
+
+
+def test_ring_allreduce_is_two_n_minus_one_latencies_plus_the_bus_bytes():
+    link = Link("l", alpha=1e-4, beta=1e8)
+    assert ring_allreduce_seconds(1e8, 1, link) == 0.0
+    assert ring_allreduce_seconds(1e8, 4, link) == pytest.approx(6e-4 + 1.5 * 1e8 / 1e8)
+    assert ring_allreduce_seconds(1e8, 4, link, calls=2) == pytest.approx(12e-4 + 1.5)
+    algbw, busbw = bandwidths(1e9, 8, 0.5)
+    assert (algbw, busbw) == (2e9, 3.5e9)
+
+
+def test_fitting_a_sweep_recovers_the_link_it_came_from():
+    link = Link("made", alpha=37e-6, beta=2.5e8)
+    sizes = [2 ** k for k in range(10, 29, 2)]
+    for ranks in (2, 3, 8):
+        fitted = fit_link(sizes, [ring_allreduce_seconds(b, ranks, link) for b in sizes], ranks)
+        assert fitted.alpha == pytest.approx(link.alpha, rel=1e-6)
+        assert fitted.beta == pytest.approx(link.beta, rel=1e-6)
+    with pytest.raises(ValueError):
+        fit_link([1.0], [1.0], 2)
+
+
+def test_buckets_are_made_in_reverse_with_a_small_first_one():
+    mib = 1 << 20
+    assert buckets([4 * mib] * 3, cap=8 * mib, first=mib) == [[2], [1, 0]]
+    assert buckets([mib // 4] * 8, cap=mib, first=mib // 2) == [[7, 6], [5, 4, 3, 2], [1, 0]]
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 4 MiB weights
+    work = workload_of(model, 0.1, 8)
+    assert work.bucket_shapes[0] == ((1024,), (1024, 1024))   # the last layer's grads first
+    assert work.params == 2 * (1024 * 1024 + 1024)
+
+
+def test_each_hook_sends_what_it_should():
+    shapes = [(1024, 512), (1024,)]
+    plain = hook_cost("none", shapes)
+    assert plain.bytes == 4 * (1024 * 512 + 1024) and plain.calls == 1
+    assert hook_cost("bf16", shapes).bytes == plain.bytes / 2
+    power = hook_cost("powersgd", shapes, rank=4)
+    assert power.bytes == 4 * ((1024 + 512) * 4 + 1024)       # P + Q, and the vector as is
+    assert power.calls == 3 and power.flops == 4 * 1024 * 512 * 4 + 2 * 1024 * 16
+    tiny = hook_cost("powersgd", [(8, 8)], rank=4)            # (8+8)*4 > 64/2: not compressed
+    assert tiny.bytes == 4 * 64 and tiny.calls == 1
+    with pytest.raises(ValueError, match="unknown comm hook"):
+        hook_cost("zip", shapes)
+
+
+def test_a_step_overlaps_what_it_can_and_waits_for_the_rest():
+    shapes = [[(1024, 1024)]] * 4                              # 16 MiB of gradients
+    alone = step_time(0.3, shapes, 1, LINKS["10mbit"])
+    assert alone.total == 0.3 and alone.communication == 0.0
+    fast = step_time(0.3, shapes, 2, Link("fast", 1e-6, 1e12))
+    assert fast.exposed == pytest.approx(0.0, abs=1e-4)        # hidden behind backward
+    slow = step_time(0.3, shapes, 2, LINKS["100mbit"])
+    assert slow.total == pytest.approx(0.3 + slow.exposed)
+    last = ring_allreduce_seconds(4 * 1024 * 1024, 2, LINKS["100mbit"])
+    assert slow.exposed >= last                                # the last bucket cannot hide
+    assert step_time(0.3, shapes, 2, LINKS["100mbit"], "bf16").total < slow.total
+
+
+def test_compression_is_recommended_only_when_it_gains_more_than_five_percent():
+    work = synthetic_workload(25 * 2 ** 20, compute_s=0.2, batch=32)
+    slow = recommend(predict(work, [2], LINKS["100mbit"], flops_per_s=1e11))
+    assert slow[2][0] == "powersgd" and slow[2][1] > 1.0
+    fast = recommend(predict(work, [1, 2], LINKS["100gbit"], flops_per_s=1e11))
+    assert fast == {1: ("none", 0.0), 2: ("none", 0.0)}
+    step = step_time(1.0, [], 2, LINKS["1gbit"])
+    close = [Row(2, 2, "none", step, 100.0, 1.0), Row(2, 2, "bf16", step, 104.0, 1.0)]
+    assert recommend(close) == {2: ("none", 0.0)}
+
+
+def test_plan_on_the_command_line(tmp_path, capsys):
+    report = tmp_path / "plan.json"
+    assert main(["plan", "--params", "25e6", "--compute-ms", "200", "--nodes", "1,2",
+                 "--link", "100mbit", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "2 node(s): --comm-hook powersgd" in out and "assumed: model: 25,000,000" in out
+    data = json.loads(report.read_text())
+    assert {r["hook"] for r in data["rows"]} == {"none", "bf16", "powersgd"}
+    assert data["recommendation"]["2"]["hook"] == "powersgd"
+    doctor = tmp_path / "doctor.json"
+    doctor.write_text(json.dumps({"link": {"alpha": 1e-5, "beta": 1e9}}))
+    assert main(["plan", "--model", "small_cnn", "--batch", "4", "--nodes", "2",
+                 "--link", str(doctor)]) == 0
+    assert f"measured ({doctor})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--params", "1e6"], "--params needs --compute-ms"),
+    (["--params", "1e6", "--compute-ms", "5", "--link", "56k"], "--link '56k'"),
+    (["--params", "1e6", "--compute-ms", "5", "--nodes", "0,2"], "--nodes '0,2'"),
+    (["--params", "1e6", "--compute-ms", "-1"], "--compute-ms must be > 0"),
+    (["--model", "alexnet9"], "unknown model"),
+])
+def test_bad_plan_input_is_one_line(args, said, capsys):
+    assert main(["plan", *args]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and said in err[0], err
+
+
+def test_a_synthetic_model_is_stated_as_such():
+    work = synthetic_workload(3 * 2 ** 20 + 5, 0.1, 8)
+    assert work.params == 3 * 2 ** 20 + 5 and "1024x1024" in work.name
+    assert sum(math.prod(s) for b in work.bucket_shapes for s in b) == work.params
