@@ -114,3 +114,14 @@ def test_a_synthetic_model_is_stated_as_such():
     work = synthetic_workload(3 * 2 ** 20 + 5, 0.1, 8)
     assert work.params == 3 * 2 ** 20 + 5 and "1024x1024" in work.name
     assert sum(math.prod(s) for b in work.bucket_shapes for s in b) == work.params
+
+
+def test_hook_compute_is_measured_on_the_gradients_shapes():
+    from ddpkit.plan.predict import measure_hook
+
+    work = workload_of(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 10)), 0.01, 8)
+    assert measure_hook(work, "none") == 0.0
+    assert measure_hook(work, "bf16") > 0 and measure_hook(work, "powersgd", rank=2) > 0
+    shapes = [[(256, 256)]]
+    measured = step_time(0.1, shapes, 2, LINKS["100gbit"], "powersgd", hook_s=0.05)
+    assert measured.hook_compute == 0.05 and measured.total >= 0.15

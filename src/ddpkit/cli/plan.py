@@ -73,7 +73,8 @@ def _nodes(text: str) -> list:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
-    from ..plan.predict import measure_flops, model_workload, predict, synthetic_workload
+    from ..plan.predict import (HOOKS, measure_flops, measure_hook, model_workload, predict,
+                                synthetic_workload)
     from ..plan.report import advice, as_json, assumptions, table
 
     nodes, link, inside = _nodes(ns.nodes), parse_link(ns.link), parse_link(ns.inside)
@@ -92,12 +93,13 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     else:
         work = model_workload(ns.model, ns.batch, compute)
     flops = measure_flops()
+    hooks = {h: measure_hook(work, h, ns.powersgd_rank) for h in HOOKS}
     rows = predict(work, nodes, link, ns.gpus_per_node, inside, rank=ns.powersgd_rank,
-                   flops_per_s=flops)
+                   flops_per_s=flops, hook_seconds=hooks)
     print(table(rows))
     for line in advice(rows):
         print(line)
-    for line in assumptions(work, link, flops, inside):
+    for line in assumptions(work, link, hooks, inside):
         print(f"assumed: {line}")
     if ns.json:
         with open(ns.json, "w") as f:

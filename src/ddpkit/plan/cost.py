@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["Link", "LINKS", "ring_allreduce_seconds", "bandwidths", "fit_link", "buckets",
            "HookCost", "hook_cost", "StepTime", "step_time", "FIRST_BUCKET", "BUCKET_CAP"]
@@ -183,9 +183,11 @@ class StepTime:
 
 def step_time(compute_s: float, bucket_shapes: Sequence[Sequence[Tuple[int, ...]]], ranks: int,
               link: Link, hook: str = "none", rank: int = 2, flops_per_s: float = 1e11,
-              forward_share: float = 1 / 3) -> StepTime:
+              forward_share: float = 1 / 3, hook_s: Optional[float] = None) -> StepTime:
     """Predict a DDP step: ``compute_s`` is forward + backward of one rank's batch on its device,
-    ``bucket_shapes`` the gradients' shapes per bucket in ready order (see :func:`buckets`).
+    ``bucket_shapes`` the gradients' shapes per bucket in ready order (see :func:`buckets`);
+    ``hook_s``, when measured, the hook's own compute per step (else its flops at
+    ``flops_per_s``).
 
     Example::
 
@@ -194,7 +196,8 @@ def step_time(compute_s: float, bucket_shapes: Sequence[Sequence[Tuple[int, ...]
     forward = compute_s * forward_share
     backward = compute_s - forward
     costs = [hook_cost(hook, shapes, rank) for shapes in bucket_shapes]
-    extra = sum(c.flops for c in costs) / flops_per_s if ranks > 1 else 0.0
+    extra = (hook_s if hook_s is not None else sum(c.flops for c in costs) / flops_per_s) \
+        if ranks > 1 else 0.0
     total_bytes = sum(c.bytes for c in costs) or 1.0
     done, ready, comm = 0.0, forward, 0.0
     for cost in costs:

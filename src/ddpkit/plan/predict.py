@@ -15,7 +15,7 @@ from .cost import BUCKET_CAP, FIRST_BUCKET, Link, StepTime, buckets, step_time
 
 __all__ = ["Workload", "Row", "workload_of", "synthetic_workload", "model_workload",
            "measure_compute",
-           "measure_flops", "predict", "recommend", "HOOKS", "GAIN"]
+           "measure_flops", "measure_hook", "predict", "recommend", "HOOKS", "GAIN"]
 
 #: The hooks compared, in the order of preference when they tie.
 HOOKS = ("none", "bf16", "powersgd")
@@ -126,6 +126,49 @@ def measure_flops(device: Optional[torch.device] = None, n: int = 512) -> float:
     return count * 2 * n ** 3 / (time.perf_counter() - start)
 
 
+def measure_hook(work: Workload, hook: str, rank: int = 2,
+                 device: Optional[torch.device] = None, repeats: int = 3) -> float:
+    """Seconds per step of ``hook``'s own work on this device, measured on tensors of the
+    model's gradient shapes: the casts of fp16/bf16 (to half and back), PowerSGD's error feedback,
+    P = MQ, orthogonalisation, Q = M^T P and the reconstruction (memory-bound on a CPU: far more
+    than its flops say).
+
+    Example::
+
+        measure_hook(workload, "powersgd", rank=2)
+    """
+    if hook == "none":
+        return 0.0
+    device = device or torch.device("cpu")
+    shapes = [s for bucket in work.bucket_shapes for s in bucket]
+    if hook in ("fp16", "bf16"):
+        half = torch.float16 if hook == "fp16" else torch.bfloat16
+        grads = [torch.randn(s, device=device) for s in shapes]
+        work_fn = lambda: [g.to(half).to(torch.float32) for g in grads]  # noqa: E731
+    else:
+        mats = [(torch.randn(s[0], math.prod(s) // s[0], device=device),
+                 torch.zeros(s[0], math.prod(s) // s[0], device=device),
+                 torch.randn(math.prod(s) // s[0], min(rank, s[0]), device=device))
+                for s in shapes if len(s) > 1]
+        work_fn = lambda: [_powersgd_math(*m) for m in mats]  # noqa: E731
+    work_fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work_fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _powersgd_math(grad: torch.Tensor, error: torch.Tensor, q: torch.Tensor) -> None:
+    grad.add_(error)
+    p, _ = torch.linalg.qr(grad @ q)
+    q = grad.t() @ p
+    error.copy_(grad - p @ q.t())
+
+
 @dataclass(frozen=True)
 class Row:
     """One prediction: node count, hook, the step and what it gives. Example::
@@ -143,9 +186,11 @@ class Row:
 
 def predict(work: Workload, nodes: Sequence[int], link: Link, per_node: int = 1,
             inside: Optional[Link] = None, hooks: Sequence[str] = HOOKS, rank: int = 2,
-            flops_per_s: float = 1e11) -> List[Row]:
+            flops_per_s: float = 1e11,
+            hook_seconds: Optional[Dict[str, float]] = None) -> List[Row]:
     """Every node count x hook. Ranks on one node talk over ``inside`` (default ``link``);
-    across nodes the ring runs at the slower ``link``.
+    across nodes the ring runs at the slower ``link``; ``hook_seconds`` the hooks' own compute
+    as :func:`measure_hook` measured it.
 
     Example::
 
@@ -158,7 +203,7 @@ def predict(work: Workload, nodes: Sequence[int], link: Link, per_node: int = 1,
         over = link if count > 1 else (inside or link)
         for hook in hooks:
             step = step_time(work.compute_s, work.bucket_shapes, ranks, over, hook, rank,
-                             flops_per_s)
+                             flops_per_s, hook_s=(hook_seconds or {}).get(hook))
             rows.append(Row(count, ranks, hook, step, ranks * work.batch / step.total,
                             alone / step.total))
     return rows

@@ -44,18 +44,20 @@ def advice(rows: Sequence[Row]) -> List[str]:
     return out
 
 
-def assumptions(work: Workload, link: Link, flops: float, inside: Link) -> List[str]:
+def assumptions(work: Workload, link: Link, hooks: Dict[str, float], inside: Link) -> List[str]:
     """What the numbers rest on, stated. Example::
 
-        assumptions(work, LINKS["1gbit"], 5e10, LINKS["10gbit"])
+        assumptions(work, LINKS["1gbit"], {"bf16": 0.004, "powersgd": 0.02}, LINKS["10gbit"])
     """
+    measured = ", ".join(f"{h} {1e3 * s:.1f} ms" for h, s in hooks.items() if h != "none")
     return [f"model: {work.name}, {work.params:,} parameters, {len(work.bucket_shapes)} "
             f"bucket(s) (1 MiB first, then 25 MiB, as DDP makes them)",
             f"compute: {1e3 * work.compute_s:.1f} ms forward+backward for {work.batch} "
             "samples per rank; forward 1/3 of it, gradients ready in proportion to their bytes",
             f"between nodes: {link.name}, alpha {1e6 * link.alpha:.1f} us, beta "
             f"{link.beta / 1e6:.1f} MB/s; inside a node: {inside.name}",
-            f"ring all-reduce; PowerSGD extra compute at {flops / 1e9:.1f} Gflop/s measured"]
+            f"ring all-reduce; each hook's own compute per step measured here on the "
+            f"gradients' shapes: {measured}"]
 
 
 def as_json(rows: Sequence[Row], work: Workload, link: Link) -> str:
