@@ -41,22 +41,37 @@ def compute_alone(width, depth, batch, repeats=7):
     return statistics.median(times[2:]), model
 
 
-def run_cell(rate, hook, args, port):
-    with Cluster(2) as c:
+def run_on_nodes(nodes, rate, port, argv):
+    """Run ``ddpkit run ... argv`` on ``nodes`` namespaced nodes behind ``rate``; rank 0's output."""
+    with Cluster(nodes) as c:
         if rate != "none":
-            for i in range(2):
+            for i in range(nodes):
                 c.shape(i, rate)
-        for i in range(2):
-            c.start(i, [sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--nproc", "1",
-                        "--node-rank", str(i), "--rdzv-endpoint", f"{c.ip(0)}:{port}",
-                        os.path.join(HERE, "worker.py"), "--hook", hook, "--steps",
-                        str(args.steps), "--width", str(args.width), "--depth", str(args.depth),
-                        "--batch", str(args.batch)], cwd=ROOT)
-        codes = c.wait(timeout=600)
-        if codes != [0, 0]:
-            raise SystemExit(f"cell {rate}/{hook} failed: {c.tails()}")
-        line = next(l for l in c.output(0).splitlines() if l.startswith("{"))
-    return json.loads(line)["step_s"]
+        for i in range(nodes):
+            c.start(i, [sys.executable, "-m", "ddpkit", "run", "--nnodes", str(nodes),
+                        "--nproc", "1", "--node-rank", str(i), "--rdzv-endpoint",
+                        f"{c.ip(0)}:{port}", *argv], cwd=ROOT)
+        codes = c.wait(timeout=900)
+        if codes != [0] * nodes:
+            raise SystemExit(f"{argv} on {nodes} nodes behind {rate} failed: {c.tails()}")
+        return c.output(0)
+
+
+def run_cell(nodes, rate, hook, args, port):
+    out = run_on_nodes(nodes, rate, port, [
+        os.path.join(HERE, "worker.py"), "--hook", hook, "--steps", str(args.steps),
+        "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)])
+    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))["step_s"]
+
+
+def doctor_link(nodes, rate, port, tmp):
+    """The link ddpkit doctor measures between the nodes (its sweep up to 16 MiB)."""
+    report = os.path.join(tmp, f"doctor-{nodes}-{rate}.json")
+    run_on_nodes(nodes, rate, port, ["-m", "ddpkit.doctor", "--max-bytes", "16M",
+                                     "--json", report])
+    with open(report) as f:
+        link = json.load(f)["link"]
+    return Link(f"doctor ({rate})", link["alpha"], link["beta"])
 
 
 def main():
@@ -68,6 +83,9 @@ def main():
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--unshaped-link", default="10gbit", help="the link assumed when unshaped")
+    p.add_argument("--nodes", default="2", help="node counts, e.g. 2,3")
+    p.add_argument("--measured-link", action="store_true",
+                   help="predict from the link ddpkit doctor measures, not the named one")
     args = p.parse_args()
     compute, model = compute_alone(args.width, args.depth, args.batch)
     work = workload_of(model, compute, args.batch, f"mlp {args.width}x{args.depth}")
@@ -78,17 +96,25 @@ def main():
                                                      for h, s in hooks.items()))
     print(f"compute alone {compute * 1e3:.1f} ms, {work.params:,} parameters, "
           f"{flops / 1e9:.1f} Gflop/s (1 thread)")
-    print(f"{'link':>8} {'hook':>8} {'predicted ms':>13} {'measured ms':>12} {'error':>7}")
+    print(f"{'nodes':>5} {'link':>8} {'hook':>8} {'predicted ms':>13} {'measured ms':>12} "
+          f"{'error':>7}  link used")
     port = 29600
-    for rate in args.rates.split(","):
-        link: Link = LINKS[rate if rate != "none" else args.unshaped_link]
-        for hook in args.hooks.split(","):
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="ddpkit-validate-")
+    for nodes in [int(n) for n in args.nodes.split(",")]:
+        for rate in args.rates.split(","):
             port += 1
-            measured = run_cell(rate, hook, args, port)
-            predicted = predict(work, [2], link, hooks=[hook], flops_per_s=flops,
-                                hook_seconds=hooks)[0].step.total
-            print(f"{rate:>8} {hook:>8} {predicted * 1e3:>13.1f} {measured * 1e3:>12.1f} "
-                  f"{predicted / measured - 1:>+7.0%}", flush=True)
+            link: Link = doctor_link(nodes, rate, port, tmp) if args.measured_link else \
+                LINKS[rate if rate != "none" else args.unshaped_link]
+            for hook in args.hooks.split(","):
+                port += 1
+                measured = run_cell(nodes, rate, hook, args, port)
+                predicted = predict(work, [nodes], link, hooks=[hook], flops_per_s=flops,
+                                    hook_seconds=hooks)[0].step.total
+                print(f"{nodes:>5} {rate:>8} {hook:>8} {predicted * 1e3:>13.1f} "
+                      f"{measured * 1e3:>12.1f} {predicted / measured - 1:>+7.0%}  "
+                      f"alpha {link.alpha * 1e6:.0f} us, beta {link.beta / 1e6:.1f} MB/s",
+                      flush=True)
 
 
 if __name__ == "__main__":
