@@ -318,7 +318,7 @@ def _cfg(seen, **kw):
 
 
 def test_run_on_the_endpoint_host_serves_the_store_with_a_store_per_round(fake_torchrun):
-    from ddpkit.launch.torchrun import LAUNCHER_PID_VAR, run
+    from ddpkit.launch.torchrun import LAUNCHER_PID_VAR, RDZV_ENDPOINT_VAR, run
 
     assert run(_cfg(fake_torchrun, nnodes=2, rdzv_endpoint="127.0.0.1:29411",
                     rdzv_timeout=30)) == 0
@@ -330,7 +330,9 @@ def test_run_on_the_endpoint_host_serves_the_store_with_a_store_per_round(fake_t
     env = fake_torchrun["env"]
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert env[LAUNCHER_PID_VAR] == str(os.getpid())
+    assert env[RDZV_ENDPOINT_VAR] == "127.0.0.1:29411"  # ddpkit doctor knows its job's port
     assert LAUNCHER_PID_VAR not in os.environ  # only while torchrun runs
+    assert RDZV_ENDPOINT_VAR not in os.environ
     assert fake_torchrun["watch"][0][:2] == ("127.0.0.1:29411", 2)
 
 

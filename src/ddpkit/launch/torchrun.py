@@ -223,6 +223,7 @@ def run(cfg: RunConfig) -> int:
     nproc = _validate(cfg)
     extra, plan = _network(cfg)
     _child_environment(nproc, plan.iface)
+    previous_endpoint = os.environ.pop(RDZV_ENDPOINT_VAR, None)  # not an outer job's
     if cfg.rdzv_endpoint:  # the workers know their job's rendezvous (ddpkit doctor's ports)
         os.environ[RDZV_ENDPOINT_VAR] = cfg.rdzv_endpoint
     if not cfg.verbose:
@@ -253,10 +254,12 @@ def run(cfg: RunConfig) -> int:
             raise
         raise failure from None
     finally:
-        if previous_pid is None:
-            os.environ.pop(LAUNCHER_PID_VAR, None)
-        else:
-            os.environ[LAUNCHER_PID_VAR] = previous_pid
+        for var, previous in ((LAUNCHER_PID_VAR, previous_pid),
+                              (RDZV_ENDPOINT_VAR, previous_endpoint)):
+            if previous is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = previous
     return 0
 
 
