@@ -95,8 +95,12 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         indices = self._remaining(self._epoch_indices())
         self.start = self.pad_base = 0
-        self.last_indices = indices[self.rank::self.num_replicas]  # what ddpkit verify records
+        self.last_indices = self._shard(indices)  # what ddpkit verify records
         return iter(self.last_indices)
+
+    def _shard(self, indices: list) -> list:
+        """This rank's positions of the (padded) epoch."""
+        return indices[self.rank::self.num_replicas]
 
     def __len__(self) -> int:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -117,14 +121,10 @@ class MicroStepSampler(ResumableSampler):
         super().__init__(*args, **kwargs)
         self.micro_batch = micro_batch  # num_samples stays one rank's: len(loader) is in steps
 
-    def __iter__(self) -> Iterator[int]:
-        indices = self._remaining(self._epoch_indices())
-        self.start = self.pad_base = 0
+    def _shard(self, indices: list) -> list:
         shards, b = [indices[k::self.num_replicas] for k in range(self.num_replicas)], \
             self.micro_batch
-        self.last_indices = [i for t in range(0, len(shards[0]), b) for s in shards
-                             for i in s[t:t + b]]
-        return iter(self.last_indices)
+        return [i for t in range(0, len(shards[0]), b) for s in shards for i in s[t:t + b]]
 
     def __len__(self) -> int:
         return super().__len__() * self.num_replicas
@@ -203,12 +203,12 @@ class DistributedLoader:
         # Under ddpkit verify every sample draws from its own seed, so augmentation does not
         # depend on how a batch is split over ranks.
         verify = probe.active() is not None
-        workers = self.loader_kwargs.get("num_workers", 0) > 0 or verify
+        tagged = self.loader_kwargs.get("num_workers", 0) > 0 or verify
         n = len(self.dataset)  # type: ignore[arg-type]
         seeded = SeededEachSample if verify else SeededSamples
-        loader = DataLoader(seeded(self.dataset, self.seed, n) if workers else self.dataset,
+        loader = DataLoader(seeded(self.dataset, self.seed, n) if tagged else self.dataset,
                             batch_size=self.batch_size,
-                            sampler=EpochTagged(self.sampler, n) if workers else self.sampler,
+                            sampler=EpochTagged(self.sampler, n) if tagged else self.sampler,
                             worker_init_fn=WorkerInit(self.seed, self.rank, self.epoch),
                             generator=self._generator, **self.loader_kwargs)
         loader._ddpkit_owned = True  # type: ignore[attr-defined]  (not "a loader of the script's own")

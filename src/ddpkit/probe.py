@@ -93,6 +93,7 @@ class Probe:
         self.accum = accum                # micro-batches per optimizer step (one process)
         self._hold: Optional[HoldBack] = None  # accum > 1: optimizer steps held back
         self._loss_scale = 1.0            # GradScaler's factor on the next backward's loss
+        self._grad: Dict[str, Any] = {}   # the gradients as the step about to happen saw them
         self._watching_loader = False     # the first rt.loader is the one recorded
         os.makedirs(directory, exist_ok=True)
         self._out = open(os.path.join(directory, f"rank{rank}.jsonl"), "w", buffering=1)
@@ -226,8 +227,9 @@ class Probe:
         if self._hold is not None:
             self._hold.check(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = _norm(p.grad for p in params if p.grad is not None)
-        self._grad = {"grad_norm": self._clipped if self._clipped is not None else norm,
+        norm = self._clipped if self._clipped is not None else \
+            _norm(p.grad for p in params if p.grad is not None)  # clipping measured it already
+        self._grad = {"grad_norm": norm,
                       "no_grad": [self._name(p, i) for i, p in enumerate(params)
                                   if p.grad is None]}
 
@@ -246,7 +248,7 @@ class Probe:
                   "random_forward": self._random_forward, "random_loop": self._random_loop,
                   "param_sums": [float(p.sum(dtype=torch.float64)) for p in params],
                   "param_norm": _norm(params),
-                  **getattr(self, "_grad", {})}
+                  **self._grad}
         self._write(record)
         self._indices, self._losses, self._clipped = [], [], None
         self._random_forward = self._random_loop = False

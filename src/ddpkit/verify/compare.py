@@ -111,8 +111,10 @@ def compare(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord] = No
     """
     from .diagnose import diagnose, loader_mismatch  # the causes, by what differs first
 
+    # Two runs of one process that differ only by the last bits (GPU atomics) widen the band;
+    # anything above the floor is non-determinism.
     repeat = _spread(one, again)
-    nondeterministic = again is not None and any(repeat) and not _explained_by_order(one, again)
+    nondeterministic = again is not None and max(repeat, default=0.0) > bounds(one.autocast)[0]
     random = any(s.random_forward or s.random_loop for run in (one, many) for s in run.steps)
     order = _spread(one, None if random else reordered)  # random draws follow the sample order
     dtypes = sorted(set(one.autocast) | set(many.autocast))
@@ -145,8 +147,3 @@ def compare(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord] = No
                                               band[first] if first is not None else floor)
     return verdict
 
-
-def _explained_by_order(one: RunRecord, again: RunRecord) -> bool:
-    """Two runs of one process that differ only by the last bits of floats (GPU atomics) are
-    widened into the band by ``again``; anything above the floor is non-determinism."""
-    return max(_spread(one, again), default=0.0) <= bounds(one.autocast)[0]
