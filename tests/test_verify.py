@@ -297,3 +297,42 @@ def test_a_run_that_hangs_is_stopped_with_its_ranks_and_one_line(tmp_path):
             for _ in range(50):
                 os.kill(pid, 0)
                 __import__("time").sleep(0.1)
+
+
+def test_the_probe_ends_a_rank_whose_data_loader_workers_are_alive(tmp_path):
+    """The recorded run ends by killing its DataLoader workers; the DataLoader's SIGCHLD handler
+    must not turn their deaths into "worker killed by signal" (CI saw it once; here the window
+    between the kill and the exit is widened to a second, so the handler would always run)."""
+    script = tmp_path / "workers.py"
+    script.write_text(
+        "import os, time, torch, ddpkit\n"
+        "exit_now = os._exit\n"
+        "os._exit = lambda code: (time.sleep(1.0), exit_now(code))\n"
+        "rt = ddpkit.setup(seed=0)\n"
+        "model = rt.wrap(torch.nn.Linear(4, 2))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 2))\n"
+        "for x, y in rt.loader(data, 8, num_workers=2):\n"
+        "    (model(x) - y).pow(2).mean().backward(); opt.step(); opt.zero_grad()\n")
+    record = run_script(str(script), [], 1, 2, str(tmp_path / "one"), timeout=120)
+    assert len(record.steps) == 2
+
+
+def test_a_rank_that_fails_is_told_by_its_exception_line_not_traceback():
+    from ddpkit.verify.runs import _failed
+
+    stderr = ("[rank 1] Traceback (most recent call last):\n"
+              "[rank 1]   File \"train.py\", line 65, in main\n"
+              "[rank 1]     scaler.step(opt)\n"
+              "[rank 1]     ^^^^^^^^^^^^^^^^\n"
+              "[rank 1] RuntimeError: DataLoader worker (pid 6849) is killed by signal: Killed. \n"
+              "ddpkit run: rank 1 failed (exit code 1; its error is printed above)\n")
+    def record(started):
+        return RunRecord(world_size=2, steps=[], seeds=[], seeded=True, loaders=[], models=[],
+                         foreign_loader=False, started=started)
+
+    said = _failed("train.py", 2, stderr, record(True))
+    assert said == ("train.py failed on 2 process(es) after 0 recorded step(s): [rank 1] "
+                    "RuntimeError: DataLoader worker (pid 6849) is killed by signal: Killed.")
+    said = _failed("train.py", 2, "error: --foo is not known\n[rank 0] x\n", record(False))
+    assert said.endswith("at start-up: --foo is not known")

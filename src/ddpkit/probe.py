@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -265,9 +266,14 @@ class Probe:
                 tdist.barrier()  # every rank has written its records before any leaves
         sys.stdout.flush()
         sys.stderr.flush()
+        # DataLoader workers hold our pipes: kill them, with the SIGCHLD handler the DataLoader
+        # installed (it raises "worker killed by signal" in this thread) put back first.
         import multiprocessing
-        for child in multiprocessing.active_children():  # DataLoader workers hold our pipes
-            child.kill()
+        with contextlib.suppress(ValueError):  # not the main thread: no handler of ours ran
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(Exception):
+                child.kill()
         os._exit(0)
 
     def _write(self, record: Dict[str, Any]) -> None:

@@ -93,12 +93,25 @@ def _run(command: list, env: dict, timeout: Optional[float],
 
 def _failed(script: str, nproc: int, stderr: str, record: RunRecord) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
-    said = next((line for line in lines if line.startswith(("error:", "[rank"))), None) or \
+    said = next((line for line in lines if line.startswith("error:")), None) or \
+        _rank_error(lines) or \
         next((line for line in reversed(lines) if not line.startswith("ddpkit run:")), "")
     said = said.strip()
     said = said[len("error:"):].strip() if said.startswith("error:") else said
     where = f"after {len(record.steps)} recorded step(s)" if record.started else "at start-up"
     return f"{script} failed on {nproc} process(es) {where}: {said.strip()[:300]}"
+
+
+def _rank_error(lines: Sequence[str]) -> Optional[str]:
+    """The first failing rank's own last word: its exception line, not ``Traceback (most recent
+    call last):`` nor a frame of it."""
+    first = next((line.split("]", 1)[0] + "]" for line in lines if line.startswith("[rank")), None)
+    if first is None:
+        return None
+    said = [line[len(first):] for line in lines if line.startswith(first)]
+    said = [line.strip() for line in said if line.strip() and not line[1:2].isspace()
+            and not line.strip().startswith(("Traceback (most recent call last)", "^", "~"))]
+    return f"{first} {said[-1]}" if said else None
 
 
 def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool, nproc: int = 2,
