@@ -8,9 +8,10 @@ import pytest
 from torch import nn
 
 from ddpkit.cli import main
-from ddpkit.plan.cost import (LINKS, Link, bandwidths, buckets, fit_link, hook_cost,
+from ddpkit.stepcost import (LINKS, Link, bandwidths, buckets, fit_link, hook_cost,
                               ring_allreduce_seconds, step_time)
-from ddpkit.plan.predict import Row, predict, recommend, synthetic_workload, workload_of
+from ddpkit.costprobe import workload_of
+from ddpkit.plan.predict import Row, predict, recommend, synthetic_workload
 
 
 def test_ring_allreduce_is_two_n_minus_one_latencies_plus_the_bus_bytes():
@@ -117,7 +118,7 @@ def test_a_synthetic_model_is_stated_as_such():
 
 
 def test_hook_compute_is_measured_on_the_gradients_shapes():
-    from ddpkit.plan.predict import measure_hook
+    from ddpkit.costprobe import measure_hook
 
     work = workload_of(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 10)), 0.01, 8)
     assert measure_hook(work, "none") == 0.0

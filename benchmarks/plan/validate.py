@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from netns import Cluster  # noqa: E402
 
-from ddpkit.plan.cost import LINKS, Link  # noqa: E402
-from ddpkit.plan.predict import measure_flops, measure_hook, predict, workload_of  # noqa: E402
+from ddpkit.costprobe import measure_flops, measure_hook, workload_of  # noqa: E402
+from ddpkit.plan.predict import predict  # noqa: E402
+from ddpkit.stepcost import LINKS, Link  # noqa: E402
 
 sys.path.insert(0, HERE)
 from worker import mlp  # noqa: E402

@@ -46,7 +46,7 @@ def parse_link(text: str):  # -> Link
 
         parse_link("1gbit"); parse_link("doctor.json")
     """
-    from ..plan.cost import LINKS, Link
+    from ..stepcost import LINKS, Link
 
     if text in LINKS:
         return LINKS[text]
@@ -73,8 +73,8 @@ def _nodes(text: str) -> list:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
-    from ..plan.predict import (HOOKS, measure_flops, measure_hook, model_workload, predict,
-                                synthetic_workload)
+    from ..costprobe import measure_flops, measure_hook
+    from ..plan.predict import HOOKS, model_workload, predict, synthetic_workload
     from ..plan.report import advice, as_json, assumptions, table
 
     nodes, link, inside = _nodes(ns.nodes), parse_link(ns.link), parse_link(ns.inside)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import JobSetupError
-from ..plan.cost import Link, bandwidths, fit_link
+from ..stepcost import Link, bandwidths, fit_link
 from ..shared_dir import check_shared
 from .checks import Finding
 

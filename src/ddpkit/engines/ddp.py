@@ -1,22 +1,28 @@
 """The ``ddp`` engine: ``DistributedDataParallel`` over the process group, with SyncBatchNorm,
-gradient compression hooks (fp16, bf16 on any backend, PowerSGD) and the DDP knobs.
+gradient compression hooks (fp16, bf16 on any backend, PowerSGD, or chosen from measurements:
+``auto``) and the DDP knobs.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from dataclasses import replace
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import autohook
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..wrap import WrapOptions
 from .base import Engine
 
-__all__ = ["DDPEngine", "bf16_compress_any_backend", "register_comm_hook", "COMM_HOOKS"]
+__all__ = ["DDPEngine", "bf16_compress_any_backend", "register_comm_hook", "comm_hook_for",
+           "COMM_HOOKS"]
 
-COMM_HOOKS = ("fp16", "bf16", "powersgd")
+#: "auto" measures the step and the link at the first training step and picks one of the others
+#: (ddpkit.autohook).
+COMM_HOOKS = ("fp16", "bf16", "powersgd", "auto")
 
 
 class DDPEngine(Engine):
@@ -48,7 +54,11 @@ class DDPEngine(Engine):
             gradient_as_bucket_view=options.gradient_as_bucket_view,
             # Only pass the non-default: newer torch warns that this argument is deprecated.
             **({} if options.broadcast_buffers else {"broadcast_buffers": False}))
-        if options.comm_hook:
+        if options.comm_hook == "auto":
+            autohook.install(ddp, lambda hook, rank, group=None: comm_hook_for(
+                hook, replace(options, powersgd_rank=rank, powersgd_start_iter=2), group),
+                options.bucket_cap_mb)
+        elif options.comm_hook:
             register_comm_hook(ddp, options.comm_hook, options)
         return ddp
 
@@ -83,21 +93,33 @@ def register_comm_hook(model: DistributedDataParallel, name: str,
 
         register_comm_hook(ddp_model, "powersgd", WrapOptions(powersgd_rank=1))
     """
+    state, hook = comm_hook_for(name, options)
+    model.register_comm_hook(state, hook)
+
+
+def comm_hook_for(name: str, options: Optional[WrapOptions] = None,
+                  group: Optional[Any] = None) -> Tuple[Any, Callable]:
+    """``(state, hook)`` of comm hook ``name`` over ``group`` (default: every rank), as DDP's
+    ``register_comm_hook`` takes them; ``comm_hook="auto"`` also times them on a group of one.
+
+    Example::
+
+        state, hook = comm_hook_for("bf16")
+    """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     options = options or WrapOptions()
     hooks: Dict[str, Callable[[], tuple]] = {
-        "fp16": lambda: (None, default.fp16_compress_hook),
-        "bf16": lambda: (None, default.bf16_compress_hook),
+        "fp16": lambda: (group, default.fp16_compress_hook),
+        "bf16": lambda: (group, default.bf16_compress_hook),
         "powersgd": lambda: (powersgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=options.powersgd_rank,
+            process_group=group, matrix_approximation_rank=options.powersgd_rank,
             start_powerSGD_iter=options.powersgd_start_iter), powersgd.powerSGD_hook),
     }
     if name not in hooks:
-        raise ConfigError(f"unknown comm hook {name!r}; choose one of {', '.join(hooks)}")
-    if name == "bf16" and torch.distributed.get_backend() != "nccl":
+        raise ConfigError(f"unknown comm hook {name!r}; choose one of {', '.join(COMM_HOOKS)}")
+    if name == "bf16" and torch.distributed.get_backend(group) != "nccl":
         # torch's bf16_compress_hook insists on NCCL >= 2.10 (it raises on gloo at the first step)
-        hooks["bf16"] = lambda: (None, bf16_compress_any_backend)
-    state, hook = hooks[name]()
-    model.register_comm_hook(state, hook)
+        hooks["bf16"] = lambda: (group, bf16_compress_any_backend)
+    return hooks[name]()

@@ -173,6 +173,11 @@ def _coerce(key: str, value: Any) -> Any:
     return value
 
 
+#: Keys a run adds to its config.json as a record, read back as nothing: what ``--comm-hook
+#: auto`` chose (``comm_hook_chosen``).
+RECORDED = ("comm_hook_chosen",)
+
+
 def config_from_dict(values: Mapping[str, Any], base: Optional[TrainConfig] = None) -> TrainConfig:
     """Apply ``values`` over ``base`` (or defaults), checking names, types and choices.
 
@@ -184,6 +189,8 @@ def config_from_dict(values: Mapping[str, Any], base: Optional[TrainConfig] = No
     clean: Dict[str, Any] = {}
     for raw_key, value in values.items():
         key = str(raw_key).replace("-", "_")
+        if key in RECORDED:
+            continue
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

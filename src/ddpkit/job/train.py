@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import comm
+from ..autohook import choice_of
 from ..ckpt_write import SaveError
 from ..log import RunLogger, banner
 from ..loop import CheckpointPolicy, FitConfig, TrainState, fit
@@ -21,7 +22,7 @@ from ..runtime import setup
 from ..seed import seed_everything
 from .build import build_datasets, build_optimizer, build_scheduler, build_wrapped_model
 from .check import check_batch_fits, check_config, micro_batch_size
-from .config import TrainConfig, config_from_dict
+from .config import RECORDED, TrainConfig, config_from_dict
 from .datasets import dataset_key
 
 __all__ = ["train", "main"]
@@ -83,12 +84,12 @@ def train(cfg: TrainConfig) -> TrainState:
         comm.print0(f"train: {len(train_set)} samples, test: {len(test_set)} samples, "
                     f"{len(loader)} micro-batches of {micro} per process per epoch")
     state = fit(rt, model, optimizer, loader, fit_config(cfg, rt, test_set, scheduler, interval))
-    _report(cfg, state)
+    _report(cfg, state, choice_of(model))
     rt.shutdown()
     return state
 
 
-def _report(cfg: TrainConfig, state: TrainState) -> None:
+def _report(cfg: TrainConfig, state: TrainState, chosen: Any = None) -> None:
     if not comm.is_main() or not state.history:
         return
     last = state.history[-1]
@@ -97,10 +98,14 @@ def _report(cfg: TrainConfig, state: TrainState) -> None:
     if cfg.skip_nonfinite:  # every epoch of the run, resumed ones included (kept in history)
         summary["skipped_steps"] = sum(int(h.get("train/skipped_steps", 0))
                                        for h in state.history)
+    if chosen is not None:  # --comm-hook auto: what it chose, kept with the run
+        summary["comm_hook"] = chosen.to_dict()
     path = os.path.join(cfg.output, "results.json")
     try:
         with open(path, "w") as f:
             json.dump(summary, f, indent=2)
+        if chosen is not None:
+            _record_choice(os.path.join(cfg.output, "config.json"), chosen.to_dict())
     except OSError as exc:  # a full disk at the very end: the run and its checkpoints are done
         raise SaveError(f"cannot write {path} ({exc.strerror or exc}); the run finished and its "
                         f"checkpoints are intact: free space, then `ddpkit train --config "
@@ -114,6 +119,17 @@ def _report(cfg: TrainConfig, state: TrainState) -> None:
         print(f"final: top-1 {last['eval/top1']:.2f}% on {last['eval/count']} test samples "
               f"(best {state.best:.2f}% at epoch {state.best_epoch}); run dir {cfg.output}",
               flush=True)
+
+
+def _record_choice(path: str, chosen: dict) -> None:
+    """Add what ``--comm-hook auto`` chose to the run's config.json (``comm_hook_chosen``: a
+    record, not an option: a resumed run measures and chooses again)."""
+    with open(path) as f:
+        values = json.load(f)
+    values[RECORDED[0]] = chosen
+    with open(path + ".tmp", "w") as f:
+        json.dump(values, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 USAGE = ("usage: python -m ddpkit.job.train CONFIG.json\n\nThe worker of `ddpkit train`: runs "

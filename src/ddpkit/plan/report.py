@@ -7,8 +7,9 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Sequence
 
-from .cost import Link
-from .predict import Row, Workload, recommend
+from ..costprobe import Workload
+from ..stepcost import Link
+from .predict import Row, recommend
 
 __all__ = ["table", "advice", "assumptions", "as_json"]
 

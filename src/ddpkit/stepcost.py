@@ -23,11 +23,14 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["Link", "LINKS", "ring_allreduce_seconds", "bandwidths", "fit_link", "buckets",
-           "HookCost", "hook_cost", "StepTime", "step_time", "FIRST_BUCKET", "BUCKET_CAP"]
+           "HookCost", "hook_cost", "StepTime", "step_time", "FIRST_BUCKET", "BUCKET_CAP", "GAIN"]
 
 #: DDP's bucket sizes: the first bucket is small so communication starts early.
 FIRST_BUCKET = 1 << 20
 BUCKET_CAP = 25 << 20
+#: A hook must beat plain all-reduce by this much to be chosen: below it the gain is within
+#: noise, and compression changes the numerics for nothing.
+GAIN = 0.05
 
 
 @dataclass(frozen=True)

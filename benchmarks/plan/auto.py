@@ -1,0 +1,71 @@
+"""`ddpkit train --comm-hook auto` on two namespaced nodes (tests/netns.py) behind links shaped
+with tc tbf, against uncompressed training unshaped: issue 24's throughput (>= 0.9 of the
+unshaped at 100 Mbit/s, >= 0.7 at 10 Mbit/s) and accuracy (within 0.5 points) figures. Root only.
+
+    python benchmarks/plan/auto.py --rates none,100mbit,10mbit --epochs 12 -- --batch-size 256
+
+Each cell is a whole `ddpkit train` run (one rank per node, the built-in job on its embedded
+data, the same seed); throughput is its last epoch's training samples/s (the start-up probe is in
+the first), accuracy its final top-1. Everything after `--` goes to `ddpkit train`.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from netns import Cluster  # noqa: E402
+
+
+def train_on_nodes(rate, hook, port, out, extra, threads):
+    with Cluster(2) as c:
+        if rate != "none":
+            for i in range(2):
+                c.shape(i, rate)
+        for i in range(2):
+            c.start(i, [sys.executable, "-m", "ddpkit", "train", "--nnodes", "2", "--nproc", "1",
+                        "--node-rank", str(i), "--rdzv-endpoint", f"{c.ip(0)}:{port}",
+                        "--output", os.path.join(out, f"node{i}"), "--no-progress",
+                        *(["--comm-hook", hook] if hook != "none" else []), *extra],
+                    env={"OMP_NUM_THREADS": str(threads)}, cwd=ROOT)
+        codes = c.wait(timeout=1800)
+        if codes != [0, 0]:
+            raise SystemExit(f"{hook} behind {rate} failed: {c.tails()}")
+        said = next((line for line in c.output(0).splitlines()
+                     if line.startswith("comm hook auto:")), "")
+    with open(os.path.join(out, "node0", "results.json")) as f:
+        results = json.load(f)
+    return results, said
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rates", default="none,100mbit,10mbit")
+    p.add_argument("--hooks", default="none,auto")
+    p.add_argument("--threads", type=int, default=1, help="threads per rank")
+    args, extra = p.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    tmp = tempfile.mkdtemp(prefix="ddpkit-auto-")
+    print(f"ddpkit train {' '.join(extra)} on 2 nodes x 1 rank ({args.threads} thread each)")
+    print(f"{'link':>8} {'hook':>5} {'samples/s':>10} {'vs unshaped':>12} {'top-1':>7}  chosen")
+    base, port = None, 29700
+    for rate in args.rates.split(","):
+        for hook in args.hooks.split(","):
+            port += 1
+            results, said = train_on_nodes(rate, hook, port, os.path.join(tmp, f"{rate}-{hook}"),
+                                           extra, args.threads)
+            speed, top1 = results["final"]["train/samples_per_s"], results["final"]["eval/top1"]
+            if base is None:
+                base = (speed, top1)   # the first cell: uncompressed, unshaped
+            chosen = said.split(":", 2)[1].strip() + ":" + said.split(":", 2)[2].split(";")[0] \
+                if said else "-"
+            print(f"{rate:>8} {hook:>5} {speed:>10.0f} {speed / base[0]:>12.2f} {top1:>7.2f}  "
+                  f"{chosen}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""``comm_hook="auto"``: choose the gradient compression from measurements, not by habit.
+
+At the first training forward of a DDP model, before DDP runs it, every rank measures what the
+step-time model (``ddpkit.stepcost``) needs, on this machine and this link:
+
+- the forward + backward of the real batch on the local module (run aside: random generators,
+  buffers and gradients are put back, so training is the same as without ``auto``);
+- the link between the ranks: a short all-reduce sweep from 4 KiB, growing 4x until one takes
+  ``budget_s`` (0.1 s: about 0.5 s at 10 Mbit/s), fitted to latency alpha and bandwidth beta;
+- each hook's own cost apart from the link: torch's own hook run on buckets of the model's
+  gradient shapes over a process group of one rank (casts for bf16; error feedback, P = MQ,
+  orthogonalisation, Q = M^T P and the per-tensor Python work for PowerSGD, ranks 4 and 2).
+
+The slowest rank's figures are agreed by all-reduce, so every rank makes the same choice: the
+first of none, bf16, PowerSGD rank 4, rank 2 whose predicted step is within 5% (and 1 ms) of
+the fastest (compression that does not pay is not used; a higher PowerSGD rank is closer to
+exact). The
+choice and its predicted gain are one line from rank 0, and :func:`choice_of` returns them.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .costprobe import workload_of
+from .stepcost import GAIN, Link, fit_link, hook_cost, ring_allreduce_seconds, step_time
+
+__all__ = ["Choice", "choose", "probe_link", "measure_step", "install", "choice_of",
+           "POWERSGD_RANKS", "FLOOR_S", "time_hooks"]
+
+#: PowerSGD ranks considered, the higher first (closer to the exact gradient).
+POWERSGD_RANKS = (4, 2)
+#: A hook must save this much a step, besides 5% of it: below, the saving is timing noise.
+FLOOR_S = 1e-3
+#: A hook is also timed over the real link when the model says a step of it takes less.
+REAL_BUDGET_S = 0.25
+_ATTR = "_ddpkit_comm_hook_choice"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto`` chose and why. Example::
+
+        choice_of(model).hook, choice_of(model).gain   # ('powersgd', 21.4)
+    """
+
+    hook: str              # none | bf16 | powersgd
+    rank: int              # PowerSGD's matrix rank (0 for the others)
+    predicted_s: float     # predicted step with this hook
+    plain_s: float         # predicted step, gradients all-reduced uncompressed
+    compute_s: float       # forward + backward measured (slowest rank)
+    alpha_s: float         # the link's latency per hop
+    beta: float            # the link's bandwidth, bytes/s
+    ranks: int
+    hook_s: Dict[str, float] = field(default_factory=dict)  # each hook's cost beside the link
+
+    @property
+    def gain(self) -> float:
+        """Predicted throughput gain over uncompressed all-reduce (0.25 = 25% faster)."""
+        return self.plain_s / self.predicted_s - 1
+
+    @property
+    def name(self) -> str:
+        return f"powersgd (rank {self.rank})" if self.hook == "powersgd" else self.hook
+
+    def line(self) -> str:
+        gain = f"predicted step {self.predicted_s * 1e3:,.1f} ms vs {self.plain_s * 1e3:,.1f} " \
+               f"ms uncompressed ({self.gain:+.0%})" if self.hook != "none" else \
+               f"predicted step {self.plain_s * 1e3:,.1f} ms; no compression gains over 5%"
+        return (f"comm hook auto: {self.name}: {gain}; measured on {self.ranks} ranks: "
+                f"forward+backward {self.compute_s * 1e3:,.1f} ms, link "
+                f"{self.beta / 1e6:,.1f} MB/s, {self.alpha_s * 1e6:,.0f} us a hop")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {**asdict(self), "gain": self.gain}
+
+
+def choose(work: Any, link: Link, ranks: int, hook_s: Dict[Tuple[str, int], float]) -> Choice:
+    """The hook for ``work`` (a :class:`ddpkit.costprobe.Workload`) on ``ranks`` ranks over
+    ``link``, given each hook's measured compute ``hook_s[(hook, rank)]``; pure.
+
+    Example::
+
+        choose(work, LINKS["100mbit"], 2, {("bf16", 0): 0.001, ("powersgd", 2): 0.04})
+    """
+    options = [("none", 0), ("bf16", 0)] + [("powersgd", r) for r in POWERSGD_RANKS]
+    steps = {(hook, r): step_time(work.compute_s, work.bucket_shapes, ranks, link, hook,
+                                  max(r, 1), hook_s=hook_s.get((hook, r), 0.0)).total
+             for hook, r in options}
+    fastest = min(steps.values())
+    slack = max(fastest * GAIN, FLOOR_S)  # within noise of the fastest: the simpler one
+    hook, r = next(o for o in options if steps[o] <= fastest + slack)
+    return Choice(hook, r, steps[(hook, r)], steps[("none", 0)], work.compute_s, link.alpha,
+                  link.beta, ranks, {f"{h}{f' rank {k}' if k else ''}": s
+                                     for (h, k), s in sorted(hook_s.items())})
+
+
+def probe_link(device: torch.device, group: Any = None, budget_s: float = 0.1,
+               smallest: int = 4 << 10, largest: int = 16 << 20) -> Link:
+    """Alpha and beta of the link the ranks of ``group`` all-reduce over, from all-reduces of
+    ``smallest`` bytes growing 4x until one takes ``budget_s`` or reaches ``largest``; each
+    size timed twice (the faster kept), the slowest rank's time agreed. Collective.
+
+    Example::
+
+        link = probe_link(torch.device("cpu"))   # Link('probed', alpha=..., beta=...)
+    """
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size(group)
+    buf = torch.zeros(largest // 4, device=device)
+    dist.all_reduce(buf[:smallest // 4], group=group)  # connections made before timing
+    sizes, seconds, nbytes = [], [], smallest
+    while True:
+        tries = []
+        for _ in range(2):
+            start = time.perf_counter()
+            dist.all_reduce(buf[:nbytes // 4], group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            tries.append(time.perf_counter() - start)
+        sizes.append(float(nbytes))
+        seconds.append(_slowest(min(tries), device, group))
+        if len(sizes) >= 2 and (seconds[-1] >= budget_s or nbytes * 4 > largest):
+            return fit_link(sizes, seconds, ranks, "probed")
+        nbytes *= 4
+
+
+def measure_step(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]) -> float:
+    """Seconds of forward + backward of this batch through ``module``, the second of two runs,
+    with the random generators, buffers (BatchNorm statistics) and gradients put back after.
+
+    Example::
+
+        measure_step(net, (x,), {})
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    buffers = [b.detach().clone() for b in module.buffers()]
+    devices = sorted({p.device.index or 0 for p in params if p.is_cuda})
+    elapsed = 0.0
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            for _ in range(2):
+                for p in params:
+                    p.grad = None
+                start = time.perf_counter()
+                loss = _scalar(module(*args, **kwargs))
+                if loss is None:  # nothing to backpropagate from: forward counts 3 times
+                    elapsed = 3 * (time.perf_counter() - start)
+                    continue
+                loss.backward()
+                if devices:
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in zip(module.buffers(), buffers):
+                b.copy_(saved)
+    return elapsed
+
+
+def install(ddp: nn.Module, make: Callable[..., Tuple[Any, Callable]],
+            bucket_cap_mb: float = 25.0) -> None:
+    """Make ``ddp`` (a DistributedDataParallel) choose its comm hook at its first training
+    forward and register it; ``make(hook, powersgd_rank, group)`` gives a hook's ``(state,
+    hook)`` over ``group`` (the DDP engine's ``comm_hook_for``). The engines call this for
+    ``comm_hook="auto"``.
+
+    Example::
+
+        install(ddp, lambda hook, rank, group=None: comm_hook_for(hook, options, group))
+    """
+    def first_forward(module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return None  # evaluation: wait for the first training step
+        handle.remove()
+        devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+        with torch.random.fork_rng(devices=devices):  # the measurements draw random numbers
+            choice = _decide(module.module, args, kwargs, bucket_cap_mb, make)
+        if choice.hook != "none":
+            module.register_comm_hook(*make(choice.hook, choice.rank))
+        setattr(module, _ATTR, choice)
+        if torch.distributed.get_rank() == 0:
+            print(choice.line(), flush=True)
+        return None
+
+    setattr(ddp, _ATTR, None)
+    handle = ddp.register_forward_pre_hook(first_forward, with_kwargs=True)
+
+
+def choice_of(model: nn.Module) -> Optional[Choice]:
+    """What ``comm_hook="auto"`` chose for ``model`` (None before its first training step, or
+    when it was not asked for).
+
+    Example::
+
+        model = rt.wrap(net, comm_hook="auto"); ...; print(choice_of(model).line())
+    """
+    while True:
+        if isinstance(getattr(model, _ATTR, None), Choice):
+            return getattr(model, _ATTR)
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+
+
+def time_hooks(bucket_shapes: Sequence[Sequence[Tuple[int, ...]]], hooks: Sequence[Tuple[str, int]],
+               make: Callable[..., Tuple[Any, Callable]], device: torch.device,
+               group: Any = None, steps: int = 2) -> Dict[Tuple[str, int], float]:
+    """Seconds one step of each ``(hook, powersgd_rank)`` takes: the hook itself (``make(hook,
+    rank, group)``, compressing from its first step) run on buckets of ``bucket_shapes`` filled
+    with random gradients, one bucket after another, over ``group`` (a group of one rank: its
+    compute alone). Collective over ``group``.
+
+    Example::
+
+        time_hooks([[(512, 512)]], [("bf16", 0)], make, torch.device("cpu"), group=alone)
+    """
+    spent = {}
+    for name, rank in hooks:
+        state, hook = make(name, max(rank, 1), group)
+        if hasattr(state, "start_powerSGD_iter"):
+            state.iter = state.start_powerSGD_iter  # no plain all-reduce warm-up here
+        fake = [_Bucket(i, len(bucket_shapes), shapes, device)
+                for i, shapes in enumerate(bucket_shapes)]
+        times = []
+        for _ in range(1 + steps):  # the first allocates PowerSGD's P, Q and error
+            start = time.perf_counter()
+            for future in [hook(state, bucket) for bucket in fake]:
+                future.wait()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        spent[(name, rank)] = min(times[1:])
+    return spent
+
+
+class _Bucket:
+    """What DDP hands a comm hook (``torch.distributed.GradBucket``), made from shapes."""
+
+    def __init__(self, index: int, count: int, shapes: Sequence[Tuple[int, ...]],
+                 device: torch.device) -> None:
+        sizes = [math.prod(s) for s in shapes]
+        self._index, self._count = index, count
+        self._buffer = torch.randn(sum(sizes), device=device)
+        self._grads = [g.view(s) for g, s in zip(self._buffer.split(sizes), shapes)]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list:
+        return self._grads
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._index == self._count - 1
+
+
+def _decide(module: nn.Module, args: Any, kwargs: Any, bucket_cap_mb: float,
+            make: Callable[..., Tuple[Any, Callable]]) -> Choice:
+    import torch.distributed as dist
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    compute = measure_step(module, args, kwargs)
+    work = workload_of(module, compute, batch=1, cap=int(bucket_cap_mb * (1 << 20)))
+    link = probe_link(device)
+    hooks = [("bf16", 0)] + [("powersgd", r) for r in POWERSGD_RANKS]
+    spent = time_hooks(work.bucket_shapes, hooks, make, device, dist.new_subgroups(1)[0])
+    ranks = dist.get_world_size()
+    # Over the real link too, where a step of the hook alone is short: what it costs there
+    # beyond the link's alpha-beta time (its rounds' hand-offs, contention) is its cost as well.
+    for hook, r in hooks:
+        modeled = sum(ring_allreduce_seconds(c.bytes, ranks, link, c.calls) for c in
+                      (hook_cost(hook, shapes, max(r, 1)) for shapes in work.bucket_shapes))
+        if modeled < REAL_BUDGET_S:  # the same on every rank: the link is agreed
+            real = time_hooks(work.bucket_shapes, [(hook, r)], make, device)[(hook, r)]
+            spent[(hook, r)] = max(spent[(hook, r)], real - modeled)
+    mine = [compute] + [spent[h] for h in hooks]
+    agreed = torch.tensor(mine, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)   # the slowest rank sets the pace
+    compute, *spent = agreed.tolist()
+    work = workload_of(module, compute, batch=1, cap=int(bucket_cap_mb * (1 << 20)))
+    return choose(work, link, dist.get_world_size(), dict(zip(hooks, spent)))
+
+
+def _slowest(seconds: float, device: torch.device, group: Any) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _scalar(output: Any) -> Optional[torch.Tensor]:
+    """A scalar to backpropagate from the model's output: the sum of its first floating tensor
+    that requires grad (a tensor, or inside a tuple, list, dict or Hugging Face ModelOutput)."""
+    if torch.is_tensor(output):
+        return output.float().sum() if output.requires_grad else None
+    items = output.values() if isinstance(output, dict) else \
+        output if isinstance(output, (list, tuple)) else ()
+    for item in items:
+        found = _scalar(item)
+        if found is not None:
+            return found
+    return None
