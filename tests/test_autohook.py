@@ -159,3 +159,59 @@ def test_auto_is_refused_where_there_is_no_ddp_hook():
     assert proc.returncode != 0
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and "--comm-hook" in err[0], proc.stderr
+
+
+def test_the_runner_up_is_tried_only_when_close_and_compressing():
+    from ddpkit.autohook import runner_up
+
+    work = _mlp_work(0.2)
+    assert runner_up(choose(work, LINKS["100gbit"], 2, CHEAP)) is None   # plain: exact DDP
+    slow = choose(work, LINKS["100mbit"], 2, CHEAP)                      # PowerSGD by far
+    assert slow.hook == "powersgd" and runner_up(slow) is None
+    close = choose(work, LINKS["1gbit"], 2, {("bf16", 0): 1e-3, ("powersgd", 4): 0.03,
+                                             ("powersgd", 2): 0.03})
+    assert close.hook == "powersgd" and runner_up(close) == ("bf16", 0)
+
+
+TRIAL = r'''
+import time, torch, ddpkit
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from ddpkit.hooktrial import HookTrial, dispatch
+rt = ddpkit.setup(seed=0)
+model = rt.wrap(nn.Linear(16, 4))
+
+def slow(state, bucket):          # plain all-reduce, 40 ms late
+    time.sleep(0.04)
+    return default_hooks.allreduce_hook(state, bucket)
+
+kept = []
+trial = HookTrial(["slow", "plain"], [(None, slow), (None, default_hooks.allreduce_hook)],
+                  done=lambda i, medians: kept.append((i, medians)))
+model.register_comm_hook(trial, dispatch)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(8, 16), torch.randn(8, 4)
+for step in range(20):
+    (model(x) - y).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if step == 3:
+        assert trial.active == 0 and not kept
+import json, sys
+with open(f"{sys.argv[1]}/rank{rt.rank}.json", "w") as f:
+    json.dump({"kept": kept[0][0], "active": trial.active, "released": trial.hooks[0] == (None, None),
+               "medians": kept[0][1]}, f)
+'''
+
+
+def test_a_trial_on_real_steps_keeps_the_faster_hook_on_every_rank(tmp_path):
+    script = tmp_path / "trial.py"
+    script.write_text(TRIAL)
+    proc = _ddpkit("run", "--nproc", "2", str(script), str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:   # both keep the plain hook and let the other go
+        assert (rank["kept"], rank["active"], rank["released"]) == (1, 1, True), ranks
+    slow, plain = ranks[0]["medians"]
+    assert slow >= plain + 0.03             # the 40 ms were seen
+    assert ranks[0]["medians"] == ranks[1]["medians"]   # and agreed: the slowest rank's

@@ -28,7 +28,8 @@ def test_doctor_on_two_processes_checks_everything_and_plan_reads_its_link(tmp_p
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     names = [line.split(":")[0].split()[-1] for line in lines if line.startswith(("ok", "warn"))]
-    assert names == ["versions", "backend", "network", "ports", "checkpoints", "clocks", "link"]
+    assert names == ["versions", "backend", "network", "ports", "checkpoints", "clocks", "link",
+                     "timeout"]
     assert "gloo all-reduce over 2 rank(s)" in proc.stdout
     data = json.loads(report.read_text())
     assert [r["bytes"] for r in data["sweep"]] == [1024, 4096, 16384, 65536, 262144]
@@ -91,3 +92,35 @@ def test_a_checkpoint_directory_the_nodes_do_not_share_fails_with_the_fix(tmp_pa
     found = cluster.shared(str(tmp_path), 2)
     assert found.verdict == "FAIL" and "is not shared between the nodes" in found.detail
     assert "storage every node mounts" in found.fix
+
+
+def test_a_link_too_slow_for_the_collective_timeout_is_named_with_its_fix():
+    from ddpkit.doctor.cluster import timeout_finding
+    from ddpkit.stepcost import LINKS
+
+    slow = timeout_finding(LINKS["10mbit"], 2, 600, params=1_000_000_000)   # 4 GB at 1.2 MB/s
+    assert slow.verdict == "FAIL" and "past the collective timeout of 600 s" in slow.detail
+    assert "--timeout-s" in slow.fix and "--comm-hook auto" in slow.fix
+    assert timeout_finding(LINKS["10mbit"], 2, 600, params=50_000_000).verdict == "warn"
+    assert timeout_finding(LINKS["10gbit"], 2, 600, params=50_000_000).verdict == "ok"
+    largest = timeout_finding(LINKS["1gbit"], 2, 600)
+    assert largest.verdict == "ok" and "17.6 GB" in largest.detail   # 150 s at 117.5 MB/s
+
+
+def test_doctor_fails_on_two_processes_when_the_model_would_time_out(tmp_path):
+    proc = _ddpkit("doctor", "--nproc", "2", "--max-bytes", "64K", "--params", "3000000000",
+                   "--timeout-s", "1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    fail = [line for line in proc.stdout.splitlines() if line.startswith("FAIL")]
+    assert len(fail) == 1 and fail[0].startswith("FAIL  timeout: one all-reduce of 3,000.0 M"), \
+        proc.stdout
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--params", "0"], "--params must be >= 1, got 0"),
+    (["--timeout-s", "0"], "--timeout-s must be > 0, got 0"),
+])
+def test_doctor_numbers_out_of_range_are_one_line(args, said):
+    proc = _ddpkit("doctor", *args)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [f"error: {said}"], proc.stderr

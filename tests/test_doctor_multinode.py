@@ -25,15 +25,18 @@ def test_doctor_measures_a_shaped_link_between_two_nodes(tmp_path):
             c.start(i, [sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--nproc", "1",
                         "--node-rank", str(i), "--rdzv-endpoint", f"{c.ip(0)}:{PORT}",
                         "-m", "ddpkit.doctor", "--max-bytes", "4M",
-                        "--output", str(tmp_path / "ckpt"), "--json", str(reports[i])],
+                        "--output", str(tmp_path / "ckpt"), "--json", str(reports[i]),
+                        "--params", "1000000"],
                     cwd=ROOT)
         codes = c.wait(timeout=180)
         out = c.output(0)
     assert codes == [0, 0], c.tails()
-    for name in ("versions", "backend", "network", "ports", "checkpoints", "clocks", "link"):
+    for name in ("versions", "backend", "network", "ports", "checkpoints", "clocks", "link",
+                 "timeout"):
         assert f"ok    {name}:" in out, out
     assert "gloo all-reduce over 2 rank(s)" in out and "every node sees it" in out
     assert f"{c.hostname(1)} via eth0 ({c.ip(1)})" in out
+    assert "one all-reduce of 1.0 M parameters' fp32 gradients takes 0.3 s" in out, out
     data = json.loads(reports[0].read_text())
     payload = 100e6 / 8 * 0.94                  # tbf at 100 Mbit/s, TCP's share of it
     assert data["link"]["beta"] == pytest.approx(payload, rel=0.25), data["sweep"]

@@ -4,13 +4,14 @@ unshaped at 100 Mbit/s, >= 0.7 at 10 Mbit/s) and accuracy (within 0.5 points) fi
 
     python benchmarks/plan/auto.py --rates none,100mbit,10mbit --epochs 12 -- --batch-size 256
 
-Each cell is a whole `ddpkit train` run (one rank per node, the built-in job on its embedded
-data, the same seed); throughput is its last epoch's training samples/s (the start-up probe is in
-the first), accuracy its final top-1. Everything after `--` goes to `ddpkit train`.
+Each cell is whole `ddpkit train` runs (--repeats rounds over all cells, the median kept) (one rank per node, the built-in job on its embedded
+data, the same seed); throughput is the median of its epochs' training samples/s from the second
+on (the start-up probe and the trial are in the first), accuracy its final top-1. Everything after `--` goes to `ddpkit train`.
 """
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 
@@ -39,7 +40,11 @@ def train_on_nodes(rate, hook, port, out, extra, threads):
                      if line.startswith("comm hook auto:")), "")
     with open(os.path.join(out, "node0", "results.json")) as f:
         results = json.load(f)
-    return results, said
+    with open(os.path.join(out, "node0", "metrics.jsonl")) as f:
+        epochs = [json.loads(line) for line in f]
+    speeds = [e["train/samples_per_s"] for e in epochs if e.get("epoch", 0) >= 2
+              and "train/samples_per_s" in e]
+    return statistics.median(speeds), results["final"]["eval/top1"], said
 
 
 def main():
@@ -47,24 +52,30 @@ def main():
     p.add_argument("--rates", default="none,100mbit,10mbit")
     p.add_argument("--hooks", default="none,auto")
     p.add_argument("--threads", type=int, default=1, help="threads per rank")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds over every cell, one after another (A B A B); the median kept")
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
     tmp = tempfile.mkdtemp(prefix="ddpkit-auto-")
     print(f"ddpkit train {' '.join(extra)} on 2 nodes x 1 rank ({args.threads} thread each)")
-    print(f"{'link':>8} {'hook':>5} {'samples/s':>10} {'vs unshaped':>12} {'top-1':>7}  chosen")
-    base, port = None, 29700
-    for rate in args.rates.split(","):
-        for hook in args.hooks.split(","):
+    print(f"{'link':>8} {'hook':>5} {'samples/s':>10} {'vs unshaped':>12} {'top-1 (each)':>14}  "
+          "chosen (each)")
+    cells = [(rate, hook) for rate in args.rates.split(",") for hook in args.hooks.split(",")]
+    seen, port = {cell: [] for cell in cells}, 29700
+    for round_ in range(args.repeats):
+        for rate, hook in cells:
             port += 1
-            results, said = train_on_nodes(rate, hook, port, os.path.join(tmp, f"{rate}-{hook}"),
-                                           extra, args.threads)
-            speed, top1 = results["final"]["train/samples_per_s"], results["final"]["eval/top1"]
-            if base is None:
-                base = (speed, top1)   # the first cell: uncompressed, unshaped
-            chosen = said.split(":", 2)[1].strip() + ":" + said.split(":", 2)[2].split(";")[0] \
-                if said else "-"
-            print(f"{rate:>8} {hook:>5} {speed:>10.0f} {speed / base[0]:>12.2f} {top1:>7.2f}  "
-                  f"{chosen}", flush=True)
+            seen[(rate, hook)].append(train_on_nodes(
+                rate, hook, port, os.path.join(tmp, f"{rate}-{hook}-{round_}"), extra,
+                args.threads))
+    base = statistics.median(s for s, _, _ in seen[cells[0]])  # uncompressed, unshaped
+    for rate, hook in cells:
+        speed = statistics.median(s for s, _, _ in seen[(rate, hook)])
+        top1 = ", ".join(f"{t:.2f}" for _, t, _ in seen[(rate, hook)])
+        chosen = " | ".join(said[len("comm hook auto: "):].split(";")[0].split(" (tried")[0]
+                            for _, _, said in seen[(rate, hook)] if said) or "-"
+        print(f"{rate:>8} {hook:>5} {speed:>10.0f} {speed / base:>12.2f} {top1:>14}  {chosen}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -8,30 +8,34 @@ step-time model (``ddpkit.stepcost``) needs, on this machine and this link:
 - the link between the ranks: a short all-reduce sweep from 4 KiB, growing 4x until one takes
   ``budget_s`` (0.1 s: about 0.5 s at 10 Mbit/s), fitted to latency alpha and bandwidth beta;
 - each hook's own cost apart from the link: torch's own hook run on buckets of the model's
-  gradient shapes over a process group of one rank (casts for bf16; error feedback, P = MQ,
-  orthogonalisation, Q = M^T P and the per-tensor Python work for PowerSGD, ranks 4 and 2).
+  gradient shapes over a process group of one rank and, where short, over the real link (casts
+  for bf16; error feedback, P = MQ, orthogonalisation, Q = M^T P and the per-tensor Python work
+  for PowerSGD, ranks 4 and 2).
 
 The slowest rank's figures are agreed by all-reduce, so every rank makes the same choice: the
 first of none, bf16, PowerSGD rank 4, rank 2 whose predicted step is within 5% (and 1 ms) of
 the fastest (compression that does not pay is not used; a higher PowerSGD rank is closer to
-exact). The
-choice and its predicted gain are one line from rank 0, and :func:`choice_of` returns them.
+exact). When it compresses and another hook is predicted within 2x of it, both are tried on the
+first real steps (``ddpkit.hooktrial``: in turns, twice 1 + 3 steps each) and the faster is
+kept: the model's error cannot then cost more than those steps. The choice and its gain are one
+line from rank 0, and :func:`choice_of` returns them.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .costprobe import workload_of
+from .hooktrial import HookTrial, dispatch
 from .stepcost import GAIN, Link, fit_link, hook_cost, ring_allreduce_seconds, step_time
 
 __all__ = ["Choice", "choose", "probe_link", "measure_step", "install", "choice_of",
-           "POWERSGD_RANKS", "FLOOR_S", "time_hooks"]
+           "POWERSGD_RANKS", "FLOOR_S", "time_hooks", "runner_up", "TRIAL_FACTOR"]
 
 #: PowerSGD ranks considered, the higher first (closer to the exact gradient).
 POWERSGD_RANKS = (4, 2)
@@ -39,6 +43,8 @@ POWERSGD_RANKS = (4, 2)
 FLOOR_S = 1e-3
 #: A hook is also timed over the real link when the model says a step of it takes less.
 REAL_BUDGET_S = 0.25
+#: The runner-up is tried on real steps when predicted within this factor of the choice.
+TRIAL_FACTOR = 2.0
 _ATTR = "_ddpkit_comm_hook_choice"
 
 
@@ -58,6 +64,8 @@ class Choice:
     beta: float            # the link's bandwidth, bytes/s
     ranks: int
     hook_s: Dict[str, float] = field(default_factory=dict)  # each hook's cost beside the link
+    predicted: Dict[str, float] = field(default_factory=dict)  # each option's predicted step
+    measured: Dict[str, float] = field(default_factory=dict)   # tried on real steps: median step
 
     @property
     def gain(self) -> float:
@@ -66,9 +74,17 @@ class Choice:
 
     @property
     def name(self) -> str:
-        return f"powersgd (rank {self.rank})" if self.hook == "powersgd" else self.hook
+        return _label(self.hook, self.rank)
 
     def line(self) -> str:
+        if self.measured:
+            others = ", ".join(f"{v * 1e3:,.1f} ms for {k}" for k, v in self.measured.items()
+                               if k != self.name)
+            return (f"comm hook auto: {self.name}: measured {self.measured[self.name] * 1e3:,.1f}"
+                    f" ms a step against {others} (tried on real steps; predicted "
+                    f"{self.predicted_s * 1e3:,.1f} ms vs {self.plain_s * 1e3:,.1f} ms "
+                    f"uncompressed); link {self.beta / 1e6:,.1f} MB/s, "
+                    f"{self.alpha_s * 1e6:,.0f} us a hop")
         gain = f"predicted step {self.predicted_s * 1e3:,.1f} ms vs {self.plain_s * 1e3:,.1f} " \
                f"ms uncompressed ({self.gain:+.0%})" if self.hook != "none" else \
                f"predicted step {self.plain_s * 1e3:,.1f} ms; no compression gains over 5%"
@@ -96,8 +112,31 @@ def choose(work: Any, link: Link, ranks: int, hook_s: Dict[Tuple[str, int], floa
     slack = max(fastest * GAIN, FLOOR_S)  # within noise of the fastest: the simpler one
     hook, r = next(o for o in options if steps[o] <= fastest + slack)
     return Choice(hook, r, steps[(hook, r)], steps[("none", 0)], work.compute_s, link.alpha,
-                  link.beta, ranks, {f"{h}{f' rank {k}' if k else ''}": s
-                                     for (h, k), s in sorted(hook_s.items())})
+                  link.beta, ranks, {_label(h, k): s for (h, k), s in sorted(hook_s.items())},
+                  {_label(h, k): s for (h, k), s in steps.items()})
+
+
+def runner_up(choice: Choice) -> Optional[Tuple[str, int]]:
+    """The option worth trying against ``choice`` on real steps: the best predicted of the other
+    hooks when ``choice`` compresses and that one is predicted within :data:`TRIAL_FACTOR` of
+    it; else None (a clear choice, or plain all-reduce: kept as DDP does it, exactly).
+
+    Example::
+
+        runner_up(choose(work, LINKS["100mbit"], 2, hook_s))   # ('bf16', 0)
+    """
+    if choice.hook == "none":
+        return None
+    others = {k: v for k, v in choice.predicted.items() if not k.startswith(choice.hook)}
+    best = min(others, key=others.__getitem__)
+    if others[best] > choice.predicted_s * TRIAL_FACTOR:
+        return None
+    name, _, rank = best.partition(" (rank ")
+    return name, int(rank.rstrip(")") or 0)
+
+
+def _label(hook: str, rank: int) -> str:
+    return f"{hook} (rank {rank})" if hook == "powersgd" else hook
 
 
 def probe_link(device: torch.device, group: Any = None, budget_s: float = 0.1,
@@ -185,15 +224,47 @@ def install(ddp: nn.Module, make: Callable[..., Tuple[Any, Callable]],
         devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
         with torch.random.fork_rng(devices=devices):  # the measurements draw random numbers
             choice = _decide(module.module, args, kwargs, bucket_cap_mb, make)
+        setattr(module, _ATTR, choice)
+        other = runner_up(choice)
+        if other is not None:   # close: try both on real steps, keep the faster
+            _try(module, choice, [(choice.hook, choice.rank), other], make)
+            return None
         if choice.hook != "none":
             module.register_comm_hook(*make(choice.hook, choice.rank))
-        setattr(module, _ATTR, choice)
-        if torch.distributed.get_rank() == 0:
-            print(choice.line(), flush=True)
+        _say(choice)
         return None
 
     setattr(ddp, _ATTR, None)
     handle = ddp.register_forward_pre_hook(first_forward, with_kwargs=True)
+
+
+def _try(ddp: nn.Module, choice: Choice, options: List[Tuple[str, int]],
+         make: Callable[..., Tuple[Any, Callable]]) -> None:
+    """Register a :class:`HookTrial` of ``options`` on ``ddp``; its decision updates the
+    choice and is said in one line."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = []
+    for hook, rank in options:
+        state, fn = (None, default_hooks.allreduce_hook) if hook == "none" else make(hook, rank)
+        if hasattr(state, "start_powerSGD_iter"):
+            state.iter = state.start_powerSGD_iter  # compress from its first trial step
+        hooks.append((state, fn))
+    labels = [_label(h, r) for h, r in options]
+
+    def done(kept: int, medians: List[float]) -> None:
+        hook, rank = options[kept]
+        final = replace(choice, hook=hook, rank=rank, predicted_s=choice.predicted[labels[kept]],
+                        measured=dict(zip(labels, medians)))
+        setattr(ddp, _ATTR, final)
+        _say(final)
+
+    ddp.register_comm_hook(HookTrial(labels, hooks, done), dispatch)
+
+
+def _say(choice: Choice) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(choice.line(), flush=True)
 
 
 def choice_of(model: nn.Module) -> Optional[Choice]:

@@ -1,6 +1,7 @@
 """What ``ddpkit doctor`` measures across the ranks of a job: a collective on the group's
 backend, the clocks' offsets, whether the checkpoint directory is shared, and an all-reduce sweep
-(algbw and busbw as nccl-tests defines them) fitted to a latency and a bandwidth.
+(algbw and busbw as nccl-tests defines them) fitted to a latency and a bandwidth, and whether
+that link moves a model's gradients within the collective timeout.
 """
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import JobSetupError
-from ..stepcost import Link, bandwidths, fit_link
+from ..stepcost import Link, bandwidths, fit_link, ring_allreduce_seconds
 from ..shared_dir import check_shared
 from .checks import Finding
 
-__all__ = ["collective", "clocks", "shared", "sweep", "sweep_sizes", "link_finding"]
+__all__ = ["collective", "clocks", "shared", "sweep", "sweep_sizes", "link_finding",
+           "timeout_finding"]
 
 
 def collective(device: torch.device) -> Finding:
@@ -142,3 +144,34 @@ def link_finding(rows: List[Dict[str, Any]], world: int) -> Tuple[Finding, Link]
                                   f"us, beta {link.beta / 1e6:.1f} MB/s, peak busbw "
                                   f"{peak / 1e6:.1f} MB/s (ddpkit plan --link <this --json>)"),
             link)
+
+
+def timeout_finding(link: Link, world: int, timeout_s: float,
+                    params: Optional[int] = None) -> Finding:
+    """Does this link all-reduce a model's fp32 gradients (and DDP's start-up broadcast of its
+    weights, the same bytes) well within the collective timeout? Without ``params``: the largest
+    model that fits.
+
+    Example::
+
+        timeout_finding(Link("slow", 1e-3, 1e5), 2, 600, params=25_000_000)   # FAIL
+    """
+    if params is None:
+        nbytes = max(timeout_s / 4 - 2 * (world - 1) * link.alpha, 0) * link.beta * world / \
+            (2 * (world - 1))
+        return Finding("timeout", "ok", f"in a quarter of the collective timeout ({timeout_s:g} "
+                                        f"s) this link all-reduces {nbytes / 1e9:,.1f} GB: fp32 "
+                                        f"gradients of {nbytes / 4e6:,.0f} M parameters "
+                                        "(--params checks a model)")
+    seconds = ring_allreduce_seconds(4.0 * params, world, link)
+    said = (f"one all-reduce of {params / 1e6:,.1f} M parameters' fp32 gradients takes "
+            f"{seconds:,.1f} s over this link on {world} ranks")
+    fix = (f"pass --timeout-s {max(4 * seconds, 60):.0f} or more to ddpkit train (setup(timeout="
+           "...)), compress the gradients (--comm-hook auto), or use a faster link")
+    if seconds > timeout_s:
+        return Finding("timeout", "FAIL", f"{said}: past the collective timeout of "
+                                          f"{timeout_s:g} s, the first step would time out", fix)
+    if seconds > timeout_s / 4:
+        return Finding("timeout", "warn", f"{said}: over a quarter of the collective timeout of "
+                                          f"{timeout_s:g} s (a slower moment would time out)", fix)
+    return Finding("timeout", "ok", f"{said}, within the collective timeout of {timeout_s:g} s")

@@ -10,6 +10,9 @@ import os
 import time
 from typing import List, Optional
 
+from ..dist import DEFAULT_TIMEOUT
+from ..errors import ConfigError
+
 __all__ = ["main", "parse_size"]
 
 
@@ -29,9 +32,21 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1024:
-        from ..errors import ConfigError
         raise ConfigError(f"--max-bytes {text!r}: give a size of at least 1K, like 64M or 1G")
     return value
+
+
+def check_numbers(params: Optional[int], timeout_s: float) -> None:
+    """One line for a parameter count below 1 or a timeout that is not positive.
+
+    Example::
+
+        check_numbers(0, 600)   # ConfigError: --params must be >= 1
+    """
+    if params is not None and params < 1:
+        raise ConfigError(f"--params must be >= 1, got {params}")
+    if not timeout_s > 0:
+        raise ConfigError(f"--timeout-s must be > 0, got {timeout_s:g}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="the checkpoint directory to check (shared by the nodes?)")
     p.add_argument("--max-bytes", default="64M", help="largest all-reduce of the sweep")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON (rank 0)")
+    p.add_argument("--params", type=int, help="a model's parameter count: does its all-reduce "
+                                              "fit the collective timeout?")
+    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT.total_seconds(),
+                   help="the job's collective timeout (ddpkit train --timeout-s; default 600)")
     return p
 
 
@@ -56,6 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     ns = _parser().parse_args(argv)
     max_bytes = parse_size(ns.max_bytes)
+    check_numbers(ns.params, ns.timeout_s)
     rt = ddpkit.setup()
     master = os.environ.get("MASTER_ADDR") if rt.world_size > 1 else None
     before = time.time()
@@ -68,7 +88,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         findings.append(cluster.clocks(stamps))
         rows = cluster.sweep(rt.device, cluster.sweep_sizes(max_bytes))
         finding, link = cluster.link_finding(rows, rt.world_size)
-        findings.append(finding)
+        findings += [finding, cluster.timeout_finding(link, rt.world_size, ns.timeout_s,
+                                                      ns.params)]
     else:
         rows, link = [], None
         findings.append(checks.Finding("link", "ok", "one process: nothing to measure; run "
