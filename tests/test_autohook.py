@@ -93,8 +93,8 @@ import sys, torch, ddpkit
 from torch import nn
 from ddpkit.autohook import choice_of
 rt = ddpkit.setup(seed=0)
-net = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.3),
-                    nn.Linear(64, 4))
+net = nn.Sequential(nn.Linear(32, 640), nn.BatchNorm1d(640), nn.ReLU(), nn.Dropout(0.3),
+                    nn.Linear(640, 640), nn.ReLU(), nn.Linear(640, 4))   # 2 buckets of DDP's
 model = rt.wrap(net, comm_hook=sys.argv[1] if sys.argv[1] != "none" else None)
 g = torch.Generator().manual_seed(1)
 data = torch.utils.data.TensorDataset(torch.randn(256, 32, generator=g),

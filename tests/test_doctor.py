@@ -124,3 +124,14 @@ def test_doctor_numbers_out_of_range_are_one_line(args, said):
     proc = _ddpkit("doctor", *args)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [f"error: {said}"], proc.stderr
+
+
+def test_a_sweep_too_short_to_fit_a_bandwidth_says_so_and_the_timeout_uses_what_was_seen():
+    from ddpkit.doctor.cluster import link_finding, timeout_finding
+
+    rows = [{"bytes": b, "seconds": 3e-4, "busbw": b / 3e-4} for b in (1024, 4096, 65536)]
+    finding, link = link_finding(rows, 2)       # flat: the slope is 0
+    assert finding.verdict == "warn" and "--max-bytes" in finding.fix
+    assert link.beta == rows[-1]["busbw"]
+    slow = timeout_finding(link, 2, 1.0, params=3_000_000_000, peak_busbw=rows[-1]["busbw"])
+    assert slow.verdict == "FAIL"

@@ -3,8 +3,11 @@ shaped with tc tbf, for each comm hook: the check behind issue 24's 15% bound. R
 
     python benchmarks/plan/validate.py --rates none,1gbit,100mbit,10mbit --hooks none,bf16,powersgd
 
-Compute is measured alone (one process, one thread, the same MLP and batch); the link is the
-named one (line rate x 0.94, 50 us) or, unshaped, what ddpkit doctor measures between the nodes.
+Compute and each hook's own compute are measured in one process of one thread (the same MLP and
+batch) or, when the nodes' ranks outnumber this machine's cores (3 nodes on 2 cores), in as many
+processes side by side as there are ranks: a share of a core is then the device each rank has
+(the slowest process's median kept). The link is the named one (line rate x 0.94, 50 us) or what
+ddpkit doctor measures between the nodes.
 """
 import argparse
 import json
@@ -40,6 +43,29 @@ def compute_alone(width, depth, batch, repeats=7):
         times.append(time.perf_counter() - start)
         model.zero_grad()
     return statistics.median(times[2:]), model
+
+
+def _side_by_side(width, depth, batch, hooks, barrier, queue):
+    barrier.wait()
+    compute, model = compute_alone(width, depth, batch)
+    work = workload_of(model, compute, batch)
+    queue.put({"compute": compute, **{h: measure_hook(work, h) for h in hooks}})
+
+
+def measured_side_by_side(k, width, depth, batch, hooks):
+    """Compute and hook compute measured in ``k`` processes at once; the slowest of each."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(k), ctx.Queue()
+    procs = [ctx.Process(target=_side_by_side, args=(width, depth, batch, hooks, barrier, queue))
+             for _ in range(k)]
+    for proc in procs:
+        proc.start()
+    seen = [queue.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    return {key: max(s[key] for s in seen) for key in seen[0]}
 
 
 def run_on_nodes(nodes, rate, port, argv):
@@ -88,14 +114,18 @@ def main():
     p.add_argument("--measured-link", action="store_true",
                    help="predict from the link ddpkit doctor measures, not the named one")
     args = p.parse_args()
-    compute, model = compute_alone(args.width, args.depth, args.batch)
-    work = workload_of(model, compute, args.batch, f"mlp {args.width}x{args.depth}")
     torch.set_num_threads(1)
     flops = measure_flops()
-    hooks = {h: measure_hook(work, h) for h in args.hooks.split(",")}
-    print("hook compute measured alone: " + ", ".join(f"{h} {s * 1e3:.1f} ms"
-                                                     for h, s in hooks.items()))
-    print(f"compute alone {compute * 1e3:.1f} ms, {work.params:,} parameters, "
+    alone = {}
+    for nodes in [int(n) for n in args.nodes.split(",")]:
+        side = nodes if nodes > (os.cpu_count() or 1) else 1
+        alone[nodes] = m = measured_side_by_side(side, args.width, args.depth, args.batch,
+                                                 args.hooks.split(","))
+        print(f"for {nodes} nodes, {side} process(es) side by side: compute "
+              f"{m['compute'] * 1e3:.1f} ms, hooks " +
+              ", ".join(f"{h} {m[h] * 1e3:.1f} ms" for h in args.hooks.split(",")))
+    _, model = compute_alone(args.width, args.depth, args.batch, repeats=3)
+    print(f"{sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{flops / 1e9:.1f} Gflop/s (1 thread)")
     print(f"{'nodes':>5} {'link':>8} {'hook':>8} {'predicted ms':>13} {'measured ms':>12} "
           f"{'error':>7}  link used")
@@ -103,6 +133,9 @@ def main():
     import tempfile
     tmp = tempfile.mkdtemp(prefix="ddpkit-validate-")
     for nodes in [int(n) for n in args.nodes.split(",")]:
+        m = alone[nodes]
+        work = workload_of(model, m["compute"], args.batch, f"mlp {args.width}x{args.depth}")
+        hooks = {h: m[h] for h in args.hooks.split(",")}
         for rate in args.rates.split(","):
             port += 1
             link: Link = doctor_link(nodes, rate, port, tmp) if args.measured_link else \

@@ -306,8 +306,8 @@ def time_hooks(bucket_shapes: Sequence[Sequence[Tuple[int, ...]]], hooks: Sequen
         times = []
         for _ in range(1 + steps):  # the first allocates PowerSGD's P, Q and error
             start = time.perf_counter()
-            for future in [hook(state, bucket) for bucket in fake]:
-                future.wait()
+            for bucket in fake:  # one at a time: torch's PowerSGD callbacks block gloo's threads
+                hook(state, bucket).wait()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)

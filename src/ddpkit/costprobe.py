@@ -86,10 +86,12 @@ def measure_flops(device: Optional[torch.device] = None, n: int = 512) -> float:
 
 def measure_hook(work: Workload, hook: str, rank: int = 2,
                  device: Optional[torch.device] = None, repeats: int = 3) -> float:
-    """Seconds per step of ``hook``'s own work on this device, measured on tensors of the
-    model's gradient shapes: the casts of fp16/bf16 (to half and back), PowerSGD's error feedback,
-    P = MQ, orthogonalisation, Q = M^T P and the reconstruction (memory-bound on a CPU: far more
-    than its flops say).
+    """Seconds per step of ``hook``'s own work on this device: torch's own hook (as the DDP
+    engine registers it) run on buckets of the model's gradient shapes over a process group of
+    this process alone, so its all-reduces cost nothing and what is left is its compute (the
+    casts of fp16/bf16; PowerSGD's error feedback, P = MQ, orthogonalisation, Q = M^T P, the
+    reconstruction and its per-tensor Python work). Inside a job (a process group already
+    there) the same work is timed as plain tensor math instead.
 
     Example::
 
@@ -97,7 +99,11 @@ def measure_hook(work: Workload, hook: str, rank: int = 2,
     """
     if hook == "none":
         return 0.0
+    import torch.distributed as dist
+
     device = device or torch.device("cpu")
+    if dist.is_available() and not dist.is_initialized():
+        return _real_hook_seconds(work, hook, rank, device, repeats)
     shapes = [s for bucket in work.bucket_shapes for s in bucket]
     if hook in ("fp16", "bf16"):
         half = torch.float16 if hook == "fp16" else torch.bfloat16
@@ -118,6 +124,29 @@ def measure_hook(work: Workload, hook: str, rank: int = 2,
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def _real_hook_seconds(work: Workload, hook: str, rank: int, device: torch.device,
+                       repeats: int) -> float:
+    """``hook`` timed by ``ddpkit.autohook.time_hooks`` over a process group of one, made here
+    and taken down after."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from .autohook import time_hooks          # both stand on this module: imported late
+    from .engines.ddp import comm_hook_for
+    from .wrap import WrapOptions
+
+    with tempfile.TemporaryDirectory(prefix="ddpkit-hook-") as tmp:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            return time_hooks(work.bucket_shapes, [(hook, rank)], lambda name, r, group=None:
+                              comm_hook_for(name, WrapOptions(powersgd_rank=r), group),
+                              device, group=dist.group.WORLD, steps=repeats)[(hook, rank)]
+        finally:
+            dist.destroy_process_group()
 
 
 def _powersgd_math(grad: torch.Tensor, error: torch.Tensor, q: torch.Tensor) -> None:

@@ -8,7 +8,11 @@ and what each comm hook sends and costs.
                                               reverse order (ready in proportion to their bytes),
                                               each bucket all-reduced once it is ready and the
                                               previous one is done; step = max(backward end,
-                                              last all-reduce end) + the hook's own compute
+                                              last bucket's end)
+    a hook's own compute h, per bucket by its     half inline (DDP calls the hook on the backward's
+    share of the gradients                    thread: compressing delays the backward), half in
+                                              the bucket's chain after its all-reduce (the
+                                              future's callbacks: decompressing)
     fp16 / bf16 hooks                         2 bytes per gradient element instead of 4
     PowerSGD, rank r                          a matrix m x n sends (m + n) r floats in two
                                               all-reduces (P, then Q) and costs 4mnr + 2mr^2
@@ -180,7 +184,7 @@ class StepTime:
     total: float
     compute: float
     communication: float   # all-reduce time, overlapped or not
-    exposed: float         # the part of it the step waits for
+    exposed: float         # what the step waits for after its backward (and inline hook) ends
     hook_compute: float
 
 
@@ -201,12 +205,17 @@ def step_time(compute_s: float, bucket_shapes: Sequence[Sequence[Tuple[int, ...]
     costs = [hook_cost(hook, shapes, rank) for shapes in bucket_shapes]
     extra = (hook_s if hook_s is not None else sum(c.flops for c in costs) / flops_per_s) \
         if ranks > 1 else 0.0
-    total_bytes = sum(c.bytes for c in costs) or 1.0
+    grads = [sum(math.prod(s) for s in shapes) for shapes in bucket_shapes]
+    total_grads = sum(grads) or 1
     done, ready, comm = 0.0, forward, 0.0
-    for cost in costs:
-        ready += backward * cost.bytes / total_bytes
+    for cost, numel in zip(costs, grads):
+        share = numel / total_grads
+        ready += (backward + extra / 2) * share   # the hook's compressing half, inline
         seconds = ring_allreduce_seconds(cost.bytes, ranks, link, cost.calls)
-        done = max(ready, done) + seconds
+        done = max(ready, done) + seconds + extra / 2 * share
         comm += seconds
-    end = max(compute_s, done) if ranks > 1 else compute_s
-    return StepTime(end + extra, compute_s, comm, end - compute_s, extra)
+    if ranks <= 1:
+        return StepTime(compute_s, compute_s, 0.0, 0.0, 0.0)
+    backward_end = compute_s + extra / 2
+    end = max(backward_end, done)
+    return StepTime(end, compute_s, comm, end - backward_end, extra)

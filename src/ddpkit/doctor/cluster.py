@@ -140,22 +140,31 @@ def link_finding(rows: List[Dict[str, Any]], world: int) -> Tuple[Finding, Link]
     """
     link = fit_link([r["bytes"] for r in rows], [r["seconds"] for r in rows], world)
     peak = max(r["busbw"] for r in rows)
+    if link.beta == float("inf"):   # time did not grow with size: too short a sweep to tell
+        return (Finding("link", "warn", f"all-reduce over {world} ranks: alpha "
+                                        f"{link.alpha * 1e6:.1f} us; the sweep's times do not "
+                                        f"grow with size (peak busbw {peak / 1e6:.1f} MB/s), so "
+                                        "no bandwidth could be fitted",
+                        "pass a larger --max-bytes (64M)"), Link(link.name, link.alpha, peak))
     return (Finding("link", "ok", f"all-reduce over {world} ranks: alpha {link.alpha * 1e6:.1f} "
                                   f"us, beta {link.beta / 1e6:.1f} MB/s, peak busbw "
                                   f"{peak / 1e6:.1f} MB/s (ddpkit plan --link <this --json>)"),
             link)
 
 
-def timeout_finding(link: Link, world: int, timeout_s: float,
-                    params: Optional[int] = None) -> Finding:
+def timeout_finding(link: Link, world: int, timeout_s: float, params: Optional[int] = None,
+                    peak_busbw: Optional[float] = None) -> Finding:
     """Does this link all-reduce a model's fp32 gradients (and DDP's start-up broadcast of its
     weights, the same bytes) well within the collective timeout? Without ``params``: the largest
-    model that fits.
+    model that fits. The bandwidth is the fitted one, or the sweep's peak bus bandwidth when that
+    is lower (a short sweep can fit no bandwidth at all): never faster than what was seen.
 
     Example::
 
         timeout_finding(Link("slow", 1e-3, 1e5), 2, 600, params=25_000_000)   # FAIL
     """
+    if peak_busbw and peak_busbw < link.beta:
+        link = Link(link.name, link.alpha, peak_busbw)
     if params is None:
         nbytes = max(timeout_s / 4 - 2 * (world - 1) * link.alpha, 0) * link.beta * world / \
             (2 * (world - 1))

@@ -89,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows = cluster.sweep(rt.device, cluster.sweep_sizes(max_bytes))
         finding, link = cluster.link_finding(rows, rt.world_size)
         findings += [finding, cluster.timeout_finding(link, rt.world_size, ns.timeout_s,
-                                                      ns.params)]
+                                                      ns.params, max(r["busbw"] for r in rows))]
     else:
         rows, link = [], None
         findings.append(checks.Finding("link", "ok", "one process: nothing to measure; run "

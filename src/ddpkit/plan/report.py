@@ -57,8 +57,8 @@ def assumptions(work: Workload, link: Link, hooks: Dict[str, float], inside: Lin
             "samples per rank; forward 1/3 of it, gradients ready in proportion to their bytes",
             f"between nodes: {link.name}, alpha {1e6 * link.alpha:.1f} us, beta "
             f"{link.beta / 1e6:.1f} MB/s; inside a node: {inside.name}",
-            f"ring all-reduce; each hook's own compute per step measured here on the "
-            f"gradients' shapes: {measured}"]
+            f"ring all-reduce; each hook's own compute per step: torch's hook timed here on "
+            f"the gradients' shapes, half inline, half after its bucket's all-reduce: {measured}"]
 
 
 def as_json(rows: Sequence[Row], work: Workload, link: Link) -> str:
