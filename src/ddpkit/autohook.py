@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .costprobe import workload_of
+from .costprobe import time_allreduce, workload_of
 from .hooktrial import HookTrial, dispatch
 from .stepcost import GAIN, Link, fit_link, hook_cost, ring_allreduce_seconds, step_time
 
@@ -39,6 +39,8 @@ __all__ = ["Choice", "choose", "probe_link", "measure_step", "install", "choice_
 
 #: PowerSGD ranks considered, the higher first (closer to the exact gradient).
 POWERSGD_RANKS = (4, 2)
+#: Every (hook, PowerSGD rank) ``auto`` considers, in its order of preference when they tie.
+OPTIONS = [("none", 0), ("bf16", 0)] + [("powersgd", r) for r in POWERSGD_RANKS]
 #: A hook must save this much a step, besides 5% of it: below, the saving is timing noise.
 FLOOR_S = 1e-3
 #: A hook is also timed over the real link when the model says a step of it takes less.
@@ -104,13 +106,12 @@ def choose(work: Any, link: Link, ranks: int, hook_s: Dict[Tuple[str, int], floa
 
         choose(work, LINKS["100mbit"], 2, {("bf16", 0): 0.001, ("powersgd", 2): 0.04})
     """
-    options = [("none", 0), ("bf16", 0)] + [("powersgd", r) for r in POWERSGD_RANKS]
     steps = {(hook, r): step_time(work.compute_s, work.bucket_shapes, ranks, link, hook,
                                   max(r, 1), hook_s=hook_s.get((hook, r), 0.0)).total
-             for hook, r in options}
+             for hook, r in OPTIONS}
     fastest = min(steps.values())
     slack = max(fastest * GAIN, FLOOR_S)  # within noise of the fastest: the simpler one
-    hook, r = next(o for o in options if steps[o] <= fastest + slack)
+    hook, r = next(o for o in OPTIONS if steps[o] <= fastest + slack)
     return Choice(hook, r, steps[(hook, r)], steps[("none", 0)], work.compute_s, link.alpha,
                   link.beta, ranks, {_label(h, k): s for (h, k), s in sorted(hook_s.items())},
                   {_label(h, k): s for (h, k), s in steps.items()})
@@ -127,12 +128,9 @@ def runner_up(choice: Choice) -> Optional[Tuple[str, int]]:
     """
     if choice.hook == "none":
         return None
-    others = {k: v for k, v in choice.predicted.items() if not k.startswith(choice.hook)}
-    best = min(others, key=others.__getitem__)
-    if others[best] > choice.predicted_s * TRIAL_FACTOR:
-        return None
-    name, _, rank = best.partition(" (rank ")
-    return name, int(rank.rstrip(")") or 0)
+    best = min((o for o in OPTIONS if o[0] != choice.hook),
+               key=lambda o: choice.predicted[_label(*o)])
+    return None if choice.predicted[_label(*best)] > choice.predicted_s * TRIAL_FACTOR else best
 
 
 def _label(hook: str, rank: int) -> str:
@@ -143,7 +141,7 @@ def probe_link(device: torch.device, group: Any = None, budget_s: float = 0.1,
                smallest: int = 4 << 10, largest: int = 16 << 20) -> Link:
     """Alpha and beta of the link the ranks of ``group`` all-reduce over, from all-reduces of
     ``smallest`` bytes growing 4x until one takes ``budget_s`` or reaches ``largest``; each
-    size timed twice (the faster kept), the slowest rank's time agreed. Collective.
+    size timed twice (the slowest rank's time of each, the faster kept). Collective.
 
     Example::
 
@@ -156,15 +154,8 @@ def probe_link(device: torch.device, group: Any = None, budget_s: float = 0.1,
     dist.all_reduce(buf[:smallest // 4], group=group)  # connections made before timing
     sizes, seconds, nbytes = [], [], smallest
     while True:
-        tries = []
-        for _ in range(2):
-            start = time.perf_counter()
-            dist.all_reduce(buf[:nbytes // 4], group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            tries.append(time.perf_counter() - start)
         sizes.append(float(nbytes))
-        seconds.append(_slowest(min(tries), device, group))
+        seconds.append(min(time_allreduce(buf[:nbytes // 4], group) for _ in range(2)))
         if len(sizes) >= 2 and (seconds[-1] >= budget_s or nbytes * 4 > largest):
             return fit_link(sizes, seconds, ranks, "probed")
         nbytes *= 4
@@ -181,7 +172,7 @@ def measure_step(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any])
     params = [p for p in module.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     buffers = [b.detach().clone() for b in module.buffers()]
-    devices = sorted({p.device.index or 0 for p in params if p.is_cuda})
+    devices = _cuda_devices(module)
     elapsed = 0.0
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -221,8 +212,7 @@ def install(ddp: nn.Module, make: Callable[..., Tuple[Any, Callable]],
         if not (module.training and torch.is_grad_enabled()):
             return None  # evaluation: wait for the first training step
         handle.remove()
-        devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
-        with torch.random.fork_rng(devices=devices):  # the measurements draw random numbers
+        with torch.random.fork_rng(devices=_cuda_devices(module)):  # the measurements draw random numbers
             choice = _decide(module.module, args, kwargs, bucket_cap_mb, make)
         setattr(module, _ATTR, choice)
         other = runner_up(choice)
@@ -346,7 +336,7 @@ def _decide(module: nn.Module, args: Any, kwargs: Any, bucket_cap_mb: float,
     compute = measure_step(module, args, kwargs)
     work = workload_of(module, compute, batch=1, cap=int(bucket_cap_mb * (1 << 20)))
     link = probe_link(device)
-    hooks = [("bf16", 0)] + [("powersgd", r) for r in POWERSGD_RANKS]
+    hooks = OPTIONS[1:]  # every hook that compresses
     spent = time_hooks(work.bucket_shapes, hooks, make, device, dist.new_subgroups(1)[0])
     ranks = dist.get_world_size()
     # Over the real link too, where a step of the hook alone is short: what it costs there
@@ -361,16 +351,12 @@ def _decide(module: nn.Module, args: Any, kwargs: Any, bucket_cap_mb: float,
     agreed = torch.tensor(mine, dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)   # the slowest rank sets the pace
     compute, *spent = agreed.tolist()
-    work = workload_of(module, compute, batch=1, cap=int(bucket_cap_mb * (1 << 20)))
+    work = replace(work, compute_s=compute)
     return choose(work, link, dist.get_world_size(), dict(zip(hooks, spent)))
 
 
-def _slowest(seconds: float, device: torch.device, group: Any) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+def _cuda_devices(module: nn.Module) -> List[int]:
+    return sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
 
 
 def _scalar(output: Any) -> Optional[torch.Tensor]:

@@ -8,14 +8,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .stepcost import BUCKET_CAP, FIRST_BUCKET, buckets
 
-__all__ = ["Workload", "workload_of", "measure_compute", "measure_flops", "measure_hook"]
+__all__ = ["Workload", "workload_of", "measure_compute", "measure_flops", "measure_hook",
+           "time_allreduce"]
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,9 @@ def measure_hook(work: Workload, hook: str, rank: int = 2,
                  device: Optional[torch.device] = None, repeats: int = 3) -> float:
     """Seconds per step of ``hook``'s own work on this device: torch's own hook (as the DDP
     engine registers it) run on buckets of the model's gradient shapes over a process group of
-    this process alone, so its all-reduces cost nothing and what is left is its compute (the
-    casts of fp16/bf16; PowerSGD's error feedback, P = MQ, orthogonalisation, Q = M^T P, the
-    reconstruction and its per-tensor Python work). Inside a job (a process group already
-    there) the same work is timed as plain tensor math instead.
+    one rank, in a child process, so its all-reduces cost nothing and what is left is its
+    compute (the casts of fp16/bf16; PowerSGD's error feedback, P = MQ, orthogonalisation,
+    Q = M^T P, the reconstruction and its per-tensor Python work).
 
     Example::
 
@@ -99,58 +99,75 @@ def measure_hook(work: Workload, hook: str, rank: int = 2,
     """
     if hook == "none":
         return 0.0
-    import torch.distributed as dist
-
-    device = device or torch.device("cpu")
-    if dist.is_available() and not dist.is_initialized():
-        return _real_hook_seconds(work, hook, rank, device, repeats)
-    shapes = [s for bucket in work.bucket_shapes for s in bucket]
-    if hook in ("fp16", "bf16"):
-        half = torch.float16 if hook == "fp16" else torch.bfloat16
-        grads = [torch.randn(s, device=device) for s in shapes]
-        work_fn = lambda: [g.to(half).to(torch.float32) for g in grads]  # noqa: E731
-    else:
-        mats = [(torch.randn(s[0], math.prod(s) // s[0], device=device),
-                 torch.zeros(s[0], math.prod(s) // s[0], device=device),
-                 torch.randn(math.prod(s) // s[0], min(rank, s[0]), device=device))
-                for s in shapes if len(s) > 1]
-        work_fn = lambda: [_powersgd_math(*m) for m in mats]  # noqa: E731
-    work_fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work_fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return _real_hook_seconds(work, hook, rank, device or torch.device("cpu"), repeats)
 
 
 def _real_hook_seconds(work: Workload, hook: str, rank: int, device: torch.device,
                        repeats: int) -> float:
-    """``hook`` timed by ``ddpkit.autohook.time_hooks`` over a process group of one, made here
-    and taken down after."""
+    """``hook`` timed by ``ddpkit.autohook.time_hooks`` over a process group of one, in a child
+    process that ends with ``os._exit``: a group made and taken down in this process can be
+    freed last by one of gloo's own threads (the hook's callbacks hold it), which then joins
+    itself and aborts the process ("Resource deadlock avoided")."""
+    import json
+    import os
+    import subprocess
+    import sys
     import tempfile
 
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    with tempfile.TemporaryDirectory(prefix="ddpkit-hook-") as tmp:
+        job = {"shapes": work.bucket_shapes, "hook": hook, "rank": rank, "device": str(device),
+               "repeats": repeats, "threads": torch.get_num_threads(), "store": f"{tmp}/store"}
+        done = subprocess.run([sys.executable, "-c", _TIME_HOOK], input=json.dumps(job),
+                              capture_output=True, text=True, env=env, timeout=900)
+    if done.returncode != 0 or not done.stdout.strip():
+        raise RuntimeError(f"timing the {hook} comm hook failed: "
+                           f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return float(done.stdout.split()[-1])
+
+
+_TIME_HOOK = """
+import json, os, sys
+import torch, torch.distributed as dist
+from ddpkit.autohook import time_hooks
+from ddpkit.engines.ddp import comm_hook_for
+from ddpkit.wrap import WrapOptions
+job = json.load(sys.stdin)
+torch.set_num_threads(job["threads"])
+device = torch.device(job["device"])
+dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                        init_method="file://" + job["store"], rank=0, world_size=1)
+shapes = [[tuple(s) for s in bucket] for bucket in job["shapes"]]
+key = (job["hook"], job["rank"])
+seconds = time_hooks(shapes, [key], lambda name, r, group=None: comm_hook_for(
+    name, WrapOptions(powersgd_rank=r), group), device, group=dist.group.WORLD,
+    steps=job["repeats"])[key]
+print(seconds, flush=True)
+os._exit(0)
+"""
+
+
+def time_allreduce(tensor: torch.Tensor, group: Any = None) -> float:
+    """Seconds of one all-reduce of ``tensor`` over ``group``, the slowest rank's (agreed by a
+    second, tiny all-reduce: every rank gets the same number). Collective.
+
+    Example::
+
+        time_allreduce(torch.ones(1 << 20))   # e.g. 0.0021 on 2 ranks over loopback
+    """
     import torch.distributed as dist
 
-    from .autohook import time_hooks          # both stand on this module: imported late
-    from .engines.ddp import comm_hook_for
-    from .wrap import WrapOptions
-
-    with tempfile.TemporaryDirectory(prefix="ddpkit-hook-") as tmp:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            return time_hooks(work.bucket_shapes, [(hook, rank)], lambda name, r, group=None:
-                              comm_hook_for(name, WrapOptions(powersgd_rank=r), group),
-                              device, group=dist.group.WORLD, steps=repeats)[(hook, rank)]
-        finally:
-            dist.destroy_process_group()
+    _sync(tensor.device)
+    start = time.perf_counter()
+    dist.all_reduce(tensor, group=group)
+    _sync(tensor.device)
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=tensor.device)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
+    return float(took.item())
 
 
-def _powersgd_math(grad: torch.Tensor, error: torch.Tensor, q: torch.Tensor) -> None:
-    grad.add_(error)
-    p, _ = torch.linalg.qr(grad @ q)
-    q = grad.t() @ p
-    error.copy_(grad - p @ q.t())
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

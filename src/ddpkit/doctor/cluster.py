@@ -6,12 +6,12 @@ that link moves a model's gradients within the collective timeout.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
 
+from ..costprobe import time_allreduce
 from ..errors import JobSetupError
 from ..stepcost import Link, bandwidths, fit_link, ring_allreduce_seconds
 from ..shared_dir import check_shared
@@ -112,23 +112,12 @@ def sweep(device: torch.device, sizes: List[int], budget_s: float = 2.0) -> List
             tdist.all_reduce(buffer)
         times: List[float] = []
         while len(times) < 3 or (len(times) < 20 and sum(times) < budget_s / len(sizes)):
-            _sync(device)
-            start = time.perf_counter()
-            tdist.all_reduce(buffer)
-            _sync(device)
-            took = torch.tensor([time.perf_counter() - start])
-            tdist.all_reduce(took, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
-            times.append(float(took))  # the same on every rank: they all loop alike
+            times.append(time_allreduce(buffer))  # the same on every rank: they all loop alike
         seconds = sorted(times)[len(times) // 2]
         algbw, busbw = bandwidths(size, world, seconds)
         rows.append({"bytes": size, "seconds": seconds, "algbw": algbw, "busbw": busbw,
                      "repeats": len(times)})
     return rows
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def link_finding(rows: List[Dict[str, Any]], world: int) -> Tuple[Finding, Link]:
