@@ -63,7 +63,7 @@ class Slow(Hook):
         time.sleep(self.seconds)
 
 
-def train(out: str, timeout_s: float, step_sleep: float, epochs: int = 3) -> None:
+def train(out: str, timeout_s: float, step_sleep: float, epochs: int = 3, batch: int = 8) -> None:
     """Train like resume_script.train(out, epochs, resume="auto"); rank 0 saves OUT/final.pt."""
     # env:// as every script: after a restart `ddpkit run` gives each rendezvous round a fresh
     # store (restart counts can differ between nodes), and ddpkit.dist then adds no prefix.
@@ -72,7 +72,7 @@ def train(out: str, timeout_s: float, step_sleep: float, epochs: int = 3) -> Non
     model = rt.wrap(nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
-    loader = rt.loader(Indexed(), batch_size=8, seed=7)
+    loader = rt.loader(Indexed(), batch_size=batch, seed=7)
     # The checkpoint directory must be shared by the nodes (as on a cluster file system).
     policy = CheckpointPolicy(os.path.join(out, "ckpt"), every_steps=2, keep=2, resume="auto")
     hooks = [RoundLedger(out, 0, -1, -1), Slow(step_sleep)]
@@ -90,8 +90,9 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8, help="global batch size")
     args = p.parse_args()
-    train(args.out, args.timeout_s, args.step_sleep, args.epochs)
+    train(args.out, args.timeout_s, args.step_sleep, args.epochs, args.batch)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from .errors import DDPKitError, JobSetupError
 from .stops import LAUNCHER_PID_VAR, die_with_launcher, quiet_exit  # noqa: F401 (re-exported)
 
 __all__ = ["install_error_hook", "collective_timeout", "is_peer_failure", "die_with_launcher",
+           "note_peer_loss", "PEER_LOSS_SUFFIX",
            "failure_digest", "LAUNCHER_PID_VAR"]
 
 _TIMEOUT_PATTERNS = (
@@ -175,6 +176,28 @@ def _record_root_cause(exc: BaseException, text: str) -> None:
         pass
 
 
+#: Beside torchrun's error file: where a rank that lost a peer says at which step, and which.
+PEER_LOSS_SUFFIX = ".peer-lost.json"
+
+
+def note_peer_loss(exc: BaseException, progress: Any) -> None:
+    """For ``ddpkit run``'s restart line: the step this rank reached and the peer address gloo
+    named, written beside torchrun's error file (which stays for the rank that failed first).
+
+    Example::
+
+        note_peer_loss(RuntimeError("Connection closed by peer [10.0.0.3]:1968"), progress)
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    peer = re.search(r"peer \[([0-9A-Fa-f.:]+)\]", str(exc))
+    note = {"step": getattr(progress, "last_step", None), "peer": peer.group(1) if peer else None}
+    with contextlib.suppress(OSError):
+        with open(path + PEER_LOSS_SUFFIX, "w") as f:
+            json.dump(note, f)
+
+
 def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
                        progress: Any = None, single_node: bool = False) -> None:
     """Report an uncaught error once instead of once per rank.
@@ -208,6 +231,7 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
                 _write(f"{prefix}error: {_left_early(left, tb)}\n")
                 os._exit(1)
             if _restart_follows():  # ddpkit run names the rank that failed, then restarts
+                note_peer_loss(value, progress)
                 os._exit(1)
             first = _gist(str(value), 120)  # the first sentences: what happened, not advice
             _write(f"{prefix}stopped: a peer process failed during a collective ({first})\n")

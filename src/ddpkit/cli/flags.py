@@ -4,16 +4,18 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..launch.torchrun import RunConfig
 
-__all__ = ["add_launch_flags", "run_config"]
+__all__ = ["add_launch_flags", "run_config", "parse_nnodes"]
 
 # (flags, argparse keywords): the RunConfig field is the dest.
 _LAUNCH_FLAGS = (
-    (("--nnodes",), dict(type=int, default=1, help="number of nodes (default 1)")),
+    (("--nnodes",), dict(default="1", metavar="N|MIN:MAX",
+                         help="number of nodes (default 1), or MIN:MAX for an elastic job that "
+                              "goes on while at least MIN nodes remain and grows back to MAX")),
     (("--node-rank",), dict(type=int, default=0,
                             help="this node's rank (static rendezvous with --master-addr)")),
     (("--master-addr",), dict(help="address of node 0 (static rendezvous)")),
@@ -23,18 +25,22 @@ _LAUNCH_FLAGS = (
     (("--rdzv-timeout",), dict(type=float, metavar="SECONDS",
                                help="several nodes: every node must join within this many "
                                     "seconds of the first (default: torchrun's 600)")),
-    (("--max-restarts",), dict(type=int, default=0,
+    (("--rdzv-last-call",), dict(type=float, metavar="SECONDS",
+                                 help="--nnodes MIN:MAX: once MIN nodes have joined, wait this "
+                                      "long for more before starting (default 10)")),
+    (("--max-restarts",), dict(type=int, default=None,
                                help="restart the whole group this many times when a worker "
-                                    "dies (ddpkit train resumes from its checkpoints)")),
+                                    "dies (ddpkit train resumes from its checkpoints; default "
+                                    "0, or 10 with --nnodes MIN:MAX)")),
     (("--iface",), dict(help="network interface for gloo/nccl traffic (e.g. eth1)")),
     (("--log-dir",), dict(help="directory for per-rank logs (torchrun --log-dir)")),
     (("-v", "--verbose"), dict(action="store_true", help="show torchrun's agent logs")),
 )
 # Each number's range, checked before anything starts: (least, most), None for no bound.
-_RANGES = {"nnodes": (1, None), "node_rank": (0, None), "master_port": (1, 65535),
-           "max_restarts": (0, None), "rdzv_timeout": (0, None)}
+_RANGES = {"node_rank": (0, None), "master_port": (1, 65535),
+           "max_restarts": (0, None), "rdzv_timeout": (0, None), "rdzv_last_call": (0, None)}
 _FIELDS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id",
-           "rdzv_timeout", "max_restarts", "iface", "log_dir", "verbose")
+           "rdzv_timeout", "rdzv_last_call", "max_restarts", "iface", "log_dir", "verbose")
 
 
 def add_launch_flags(parser: argparse.ArgumentParser,
@@ -61,10 +67,34 @@ def run_config(ns: argparse.Namespace, script: str, script_args: Optional[List[s
 
         run_config(parser.parse_args(["run", "--nnodes", "2", "t.py"]), "t.py", nproc="2")
     """
-    values = {name: getattr(ns, name) for name in _FIELDS}
+    values = {name: getattr(ns, name, None) for name in _FIELDS}
+    values = {name: value for name, value in values.items() if value is not None}
     values.update(fields)
+    if "nnodes" in values:
+        values["min_nodes"], values["nnodes"] = parse_nnodes(values["nnodes"])
     _check_ranges(values)
     return RunConfig(script=script, script_args=list(script_args or []), **values)
+
+
+def parse_nnodes(text: Any) -> Tuple[Optional[int], int]:
+    """``--nnodes N`` or ``MIN:MAX`` as ``(MIN or None, MAX)``; one line for anything else.
+
+    Example::
+
+        parse_nnodes("2"), parse_nnodes("2:3")   # (None, 2), (2, 3)
+    """
+    lo, sep, hi = str(text).strip().partition(":")
+    try:
+        least, most = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise ConfigError(f"--nnodes must be a node count N or a range MIN:MAX such as 2:4, "
+                          f"got {text!r}") from None
+    if least < 1:
+        raise ConfigError(f"--nnodes {text}: the node count must be >= 1")
+    if least > most:
+        raise ConfigError(f"--nnodes {text}: MIN ({least}) is larger than MAX ({most}); "
+                          f"write --nnodes {most}:{least}")
+    return (least if sep else None), most
 
 
 def _check_ranges(values: Dict[str, Any]) -> None:

@@ -44,6 +44,6 @@ def _cmd_slurm(ns: argparse.Namespace) -> int:
     print(render_sbatch(ns.nodes, ns.gpus_per_node, ns.script, ns.script_args,
                         job_name=ns.job_name, time=ns.time, partition=ns.partition,
                         cpus_per_task=ns.cpus_per_task, port=ns.port,
-                        rdzv_timeout=ns.rdzv_timeout, max_restarts=ns.max_restarts,
+                        rdzv_timeout=ns.rdzv_timeout, max_restarts=ns.max_restarts or 0,
                         requeue_grace=ns.requeue_grace), end="")
     return 0

@@ -56,7 +56,7 @@ def plan(cfg: TrainConfig, launch: RunConfig, inside_launcher: bool) -> str:
     """
     if inside_launcher:
         return "here"  # already one worker of a launcher: torchrun, srun + torchrun
-    if cfg.nproc == 1 and launch.nnodes == 1 and not launch.max_restarts:
+    if cfg.nproc == 1 and launch.nnodes == 1 and not launch.restarts:
         return "here"
     return create_engine(cfg.strategy).launcher
 
@@ -72,7 +72,7 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
         start(TrainConfig(epochs=2, output="runs/quick"))   # one process per GPU (2 on CPU)
     """
     launch = launch or RunConfig(WORKER)
-    if launch.max_restarts and not cfg.resume:
+    if launch.restarts and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume="auto")  # a restarted worker must pick up its work
     # Already a worker of a launcher (torchrun)? Not Slurm's batch script, which starts its own.
     inside = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -102,7 +102,7 @@ def _launch(cfg: TrainConfig, launch: RunConfig, inside: bool, path: str) -> int
         train(cfg)
         return 0
     if where == "horovodrun":
-        if launch.nnodes != 1 or launch.max_restarts:
+        if launch.nnodes != 1 or launch.restarts:
             raise ConfigError("--strategy horovod runs on one node without restarts from `ddpkit "
                               f"train`; for several hosts run `horovodrun -H ... python -m {WORKER} "
                               f"{path}` yourself")

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 
@@ -308,13 +308,15 @@ def socket_env(iface: Optional[str]) -> Dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface} if iface else {}
 
 
-def torchrun_extra_args(plan: NodeNetwork, join_timeout: Optional[float] = None) -> List[str]:
+def torchrun_extra_args(plan: NodeNetwork, join_timeout: Optional[float] = None,
+                        conf: Optional[Dict[str, Any]] = None) -> List[str]:
     """torchrun flags for a c10d multi-node run: who serves the store, which address to publish.
 
     ``is_host`` stops torchrun guessing from the hostname (a node whose name resolves to
     127.0.0.1 would otherwise never serve the store); ``--local-addr`` is what rank 0
     publishes as MASTER_ADDR (torchrun's default, the FQDN, is often loopback). With a
-    ``join_timeout`` a node also waits at most that long for the store's node to come up.
+    ``join_timeout`` a node also waits at most that long for the store's node to come up;
+    ``conf``: more ``--rdzv-conf`` keys (an elastic job's last call and heartbeats).
 
     Example::
 
@@ -322,9 +324,10 @@ def torchrun_extra_args(plan: NodeNetwork, join_timeout: Optional[float] = None)
         # ['--local-addr', '10.0.0.2', '--rdzv-conf', 'join_timeout=60,read_timeout=60,is_host=0']
     """
     args = ["--local-addr", plan.local_addr] if plan.local_addr else []
-    conf = [f"join_timeout={int(join_timeout)}", f"read_timeout={int(join_timeout)}"] \
+    keys = [f"join_timeout={int(join_timeout)}", f"read_timeout={int(join_timeout)}"] \
         if join_timeout else []
-    return args + ["--rdzv-conf", ",".join(conf + [f"is_host={int(plan.is_host)}"])]
+    keys += [f"{key}={value}" for key, value in (conf or {}).items()]
+    return args + ["--rdzv-conf", ",".join(keys + [f"is_host={int(plan.is_host)}"])]
 
 
 def rendezvous_failure(exc: BaseException, endpoint: str, nnodes: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -14,10 +15,10 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..crash import LAUNCHER_PID_VAR
+from ..crash import LAUNCHER_PID_VAR, PEER_LOSS_SUFFIX
 from ..errors import ConfigError
 from ..stops import STOP_SIGNALS, signal_name
-from . import network as net, srun, watchdog
+from . import elastic, network as net, srun, watchdog
 from .network import port_in_use
 
 __all__ = ["RunConfig", "run", "torchrun_args", "resolve_nproc", "AGENT_SIGNALS"]
@@ -57,14 +58,20 @@ class RunConfig:
     script: str
     script_args: List[str] = field(default_factory=list)
     nproc: str | int = 1
+    #: The number of nodes; with ``min_nodes`` the most (``--nnodes MIN:MAX``).
     nnodes: int = 1
+    #: Elastic membership (``--nnodes MIN:MAX``): the job goes on while this many remain.
+    min_nodes: Optional[int] = None
     node_rank: int = 0
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
     rdzv_endpoint: Optional[str] = None
     rdzv_id: Optional[str] = None
     rdzv_timeout: Optional[float] = None
-    max_restarts: int = 0
+    #: Elastic: once ``min_nodes`` have joined, seconds to wait for more (default 10).
+    rdzv_last_call: Optional[float] = None
+    #: Whole-group restarts; None: 0, or :data:`ELASTIC_RESTARTS` for an elastic job.
+    max_restarts: Optional[int] = None
     module: bool = False
     iface: Optional[str] = None
     log_dir: Optional[str] = None
@@ -73,16 +80,49 @@ class RunConfig:
     #: where the last checkpoint is (``ddpkit train`` sets it).
     on_stop: Optional[Callable[[int], str]] = None
 
+    @property
+    def elastic(self) -> bool:
+        """Whether membership may change: ``--nnodes MIN:MAX`` with MIN < MAX."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+    @property
+    def restarts(self) -> int:
+        """The whole-group restarts allowed (``max_restarts``, or its default)."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return ELASTIC_RESTARTS if self.elastic else 0
+
+    @property
+    def nnodes_spec(self) -> str:
+        """``--nnodes`` as given: ``"2"`` or ``"2:3"``."""
+        return f"{self.min_nodes}:{self.nnodes}" if self.min_nodes is not None else str(self.nnodes)
+
+
+#: Restarts an elastic job allows by default: each lost node costs one on every survivor.
+ELASTIC_RESTARTS = 10
+#: Elastic: seconds to wait for more nodes once MIN have joined (torchrun's own default: 30).
+LAST_CALL_S = 10.0
+#: Elastic: seconds between a node's rendezvous heartbeats; 3 missed and it is gone (torch: 5).
+KEEP_ALIVE_S = 2
+
 
 def _validate(cfg: RunConfig) -> int:
     nproc = resolve_nproc(cfg.nproc)
-    if cfg.nnodes < 1:
-        raise ConfigError(f"--nnodes must be >= 1, got {cfg.nnodes}")
-    srun.check_layout(cfg.nnodes, nproc)  # a task of an srun step: one per node
-    if not 0 <= cfg.node_rank < cfg.nnodes:
+    if cfg.nnodes < 1 or (cfg.min_nodes is not None and not 1 <= cfg.min_nodes <= cfg.nnodes):
+        raise ConfigError(f"--nnodes {cfg.nnodes_spec}: need 1 <= MIN <= MAX")
+    if cfg.elastic:
+        if not cfg.rdzv_endpoint:
+            raise ConfigError(f"--nnodes {cfg.nnodes_spec} (elastic) needs a c10d rendezvous: "
+                              "pass --rdzv-endpoint HOST:PORT (the same on every node; its "
+                              "node must stay up), not --master-addr")
+    else:
+        srun.check_layout(cfg.nnodes, nproc)  # a task of an srun step: one per node
+    if cfg.rdzv_last_call is not None and cfg.rdzv_last_call <= 0:
+        raise ConfigError(f"--rdzv-last-call must be > 0 seconds, got {cfg.rdzv_last_call:g}")
+    if not cfg.elastic and not 0 <= cfg.node_rank < cfg.nnodes:
         raise ConfigError(f"--node-rank {cfg.node_rank} is impossible with --nnodes "
                           f"{cfg.nnodes} (node ranks run from 0 to {cfg.nnodes - 1})")
-    if cfg.max_restarts < 0:
+    if cfg.restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
     if cfg.rdzv_timeout is not None and cfg.rdzv_timeout < 1:
         raise ConfigError(f"--rdzv-timeout must be >= 1 second, got {cfg.rdzv_timeout:g}")
@@ -124,8 +164,8 @@ def torchrun_args(cfg: RunConfig, nproc: int, extra: Sequence[str] = ()) -> List
 
         torchrun_args(RunConfig("t.py", nproc=2), 2)   # ['--nnodes', '1', ...]
     """
-    args = ["--nnodes", str(cfg.nnodes), "--nproc-per-node", str(nproc),
-            "--max-restarts", str(cfg.max_restarts)]
+    args = ["--nnodes", cfg.nnodes_spec if cfg.elastic else str(cfg.nnodes),
+            "--nproc-per-node", str(nproc), "--max-restarts", str(cfg.restarts)]
     if cfg.rdzv_endpoint:
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint,
                  "--rdzv-id", cfg.rdzv_id or "ddpkit"]
@@ -180,7 +220,7 @@ def _network(cfg: RunConfig) -> Tuple[List[str], net.NodeNetwork]:
     that routes to the endpoint, a fresh store per rendezvous round. Static (``--master-addr``):
     the ``--node-rank 0`` / reachability checks and the join timeout."""
     given = net.NodeNetwork(cfg.iface, None, is_host=False)
-    if cfg.nnodes <= 1:
+    if cfg.nnodes <= 1 and not cfg.elastic:
         return [], given
     if not cfg.rdzv_endpoint:
         _static_checks(cfg)
@@ -190,14 +230,18 @@ def _network(cfg: RunConfig) -> Tuple[List[str], net.NodeNetwork]:
     # A fresh store per rendezvous round (served by worker rank 0): no stale keys after a
     # restart, whatever each node's restart count (see ddpkit.dist).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return net.torchrun_extra_args(plan, cfg.rdzv_timeout), plan
+    conf = {}
+    if cfg.elastic:  # a lost node is noticed within 3 heartbeats; a shrunk job waits a moment
+        conf = {"last_call_timeout": int(max(1, round(cfg.rdzv_last_call or LAST_CALL_S))),
+                "keep_alive_interval": KEEP_ALIVE_S, "keep_alive_max_attempt": 3}
+    return net.torchrun_extra_args(plan, cfg.rdzv_timeout, conf), plan
 
 
 def _guard(cfg: RunConfig, is_host: bool) -> Any:
     """Several nodes meeting at a c10d endpoint: the --nnodes check and the agent watchdog."""
-    if cfg.nnodes <= 1 or not cfg.rdzv_endpoint:
+    if (cfg.nnodes <= 1 and not cfg.elastic) or not cfg.rdzv_endpoint:
         return contextlib.nullcontext()
-    watchdog.watch_nnodes(cfg.rdzv_endpoint, cfg.nnodes, cfg.rdzv_id or "ddpkit",
+    watchdog.watch_nnodes(cfg.rdzv_endpoint, cfg.nnodes_spec, cfg.rdzv_id or "ddpkit",
                           cfg.rdzv_timeout or 600.0, is_host=is_host)
     return watchdog.AgentWatchdog(cfg.rdzv_endpoint)
 
@@ -230,8 +274,11 @@ def run(cfg: RunConfig) -> int:
         _quiet_agent_logs()
     previous_pid = os.environ.get(LAUNCHER_PID_VAR)
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # workers die with this process
+    members = None
     try:
-        with _guard(cfg, plan.is_host), _naming_restarts():
+        tracking = (elastic.tracking_members(cfg.nnodes_spec, plan.local_addr) if cfg.elastic
+                    else contextlib.nullcontext())
+        with _guard(cfg, plan.is_host), _naming_restarts(), tracking as members:
             torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
     except SignalException as exc:  # the agent stopped every worker with this signal first
         return _stopped(cfg, int(exc.sigval))
@@ -249,9 +296,16 @@ def run(cfg: RunConfig) -> int:
         if cfg.nnodes <= 1:
             raise
         endpoint = cfg.rdzv_endpoint or f"{cfg.master_addr}:{cfg.master_port or 29500}"
-        failure = net.rendezvous_failure(exc, endpoint, cfg.nnodes, cfg.rdzv_timeout)
+        failure = net.rendezvous_failure(exc, endpoint, cfg.min_nodes or cfg.nnodes,
+                                         cfg.rdzv_timeout)
         if failure is None:
             raise
+        if cfg.elastic and type(exc).__name__ == "RendezvousTimeoutError" and \
+                getattr(members, "last", None):
+            failure = ConfigError(f"the rendezvous at {endpoint} did not gather "
+                                  f"{cfg.min_nodes} nodes within {cfg.rdzv_timeout or 600:.0f} s; "
+                                  + elastic.missing_line(members.last, members.me,
+                                                         cfg.nnodes_spec))
         raise failure from None
     finally:
         for var, previous in ((LAUNCHER_PID_VAR, previous_pid),
@@ -331,14 +385,43 @@ def _first_failure(failures: dict) -> Tuple[int, Any]:
 
 def _say_restart(agent: Any, group: Any, failed: Any) -> None:
     seen = getattr(agent, "_ddpkit_seen", None)
+    if seen is not None and seen.state != failed and group.group_rank == 0:
+        # Healthy workers restarted: torchrun's agent saw a node waiting to join (elastic).
+        print("ddpkit run: a node is waiting to join: every rank checkpoints at its next step "
+              "and the group restarts with it", file=sys.stderr, flush=True)
+        return
     if seen is None or seen.state != failed or not seen.failures:
         return
     rank, failure = _first_failure(seen.failures)
     most = group.spec.max_restarts  # the agent has counted this restart already
     left = getattr(agent, "_remaining_restarts", None)
     count = f" (restart {most - left} of {most})" if isinstance(left, int) else ""
-    print(f"ddpkit run: rank {rank} failed ({_how(failure, restarting=True)}); restarting every "
-          f"rank{count}", file=sys.stderr, flush=True)
+    lost = _peer_loss(failure, _error_file(agent, failure))
+    what = lost if lost else f"failed ({_how(failure, restarting=True)})"
+    print(f"ddpkit run: rank {rank} {what}; restarting every rank{count}", file=sys.stderr,
+          flush=True)
+
+
+def _error_file(agent: Any, failure: Any) -> Optional[str]:
+    # The failure forgets the path when the rank wrote no error file: the agent's workers know it.
+    files = getattr(getattr(agent, "_pcontext", None), "error_files", None) or {}
+    return files.get(failure.local_rank)
+
+
+def _peer_loss(failure: Any, error_file: Optional[str]) -> Optional[str]:
+    """``lost a peer at 10.0.0.3 after step 6 ...`` when the rank said so (ddpkit.crash, beside
+    its ``error_file``), else None."""
+    if error_file is None or isinstance(failure.error_file_data.get("message"), dict):
+        return None  # it failed itself: its own error is printed
+    try:
+        with open(error_file + PEER_LOSS_SUFFIX) as f:
+            note = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
+    step = f" after step {note['step']}" if note.get("step") is not None else ""
+    peer = f" at {note['peer']}" if note.get("peer") else ""
+    return (f"lost a peer{peer}{step} (exit code {failure.exitcode}): a node is gone or cut "
+            "off, or a process on it died")
 
 
 @contextlib.contextmanager

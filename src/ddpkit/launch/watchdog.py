@@ -107,12 +107,13 @@ def _tcp_store(endpoint: str, timeout: float) -> Any:
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
 
-def watch_nnodes(endpoint: str, nnodes: int, run_id: str = "ddpkit", timeout: float = 600.0,
+def watch_nnodes(endpoint: str, nnodes: int | str, run_id: str = "ddpkit", timeout: float = 600.0,
                  is_host: bool = False, exit: Callable[[int], Any] = os._exit,
                  connect: Callable[[str, float], Any] = _tcp_store,
                  list_children: Callable[[], Dict[int, str]] = children) -> threading.Thread:
     """Start a thread that stops this node with one line if a node of the same rendezvous was
-    started with another ``--nnodes`` (torchrun would wait out its join timeout instead).
+    started with another ``--nnodes`` (torchrun would wait out its join timeout instead);
+    ``nnodes`` as given, ``2`` or ``2:3``: an elastic range must be the same on every node.
 
     The first node records its ``nnodes`` in the rendezvous store; a node that disagrees says
     so there too, so both sides exit. ``is_host``: this node serves the store, so it lingers

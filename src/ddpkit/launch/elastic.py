@@ -1,0 +1,118 @@
+"""Elastic membership (``--nnodes MIN:MAX``) as the user sees it: one line from the first node
+each time torchrun's agent forms a new group, saying who left or joined and how many go on.
+
+torchrun's c10d rendezvous changes membership but only logs it at INFO (quiet in ``ddpkit
+run``). After each rendezvous round every node's agent writes its name into that round's store
+and reads the others'; the node with group rank 0 compares them with the previous round's.
+The workers then resume from the newest checkpoint at the new world size (:mod:`ddpkit.resume`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import sys
+from datetime import timedelta
+from typing import Any, Iterator, List, Optional, Sequence
+
+__all__ = ["membership_line", "missing_line", "tracking_members", "Members", "MEMBER_KEY"]
+
+#: Each node's name in a rendezvous round's store: ``ddpkit/member/<group rank>``.
+MEMBER_KEY = "ddpkit/member/"
+_READ_TIMEOUT_S = 15.0
+
+
+def membership_line(before: Optional[Sequence[str]], now: Sequence[str], spec: str) -> str:
+    """The line for a new group: who left, who joined, who goes on (``spec``: ``--nnodes``).
+
+    Example::
+
+        membership_line(["a", "b", "c"], ["a", "b"], "2:3")
+        # 'node c left; 2 nodes go on (a, b) of --nnodes 2:3'
+    """
+    names = ", ".join(now)
+    if before is None:
+        return f"{len(now)} node{'s' if len(now) != 1 else ''} joined (--nnodes {spec}): {names}"
+    left = [n for n in before if n not in now]
+    joined = [n for n in now if n not in before]
+    said = []
+    if left:
+        said.append(f"node{'s' if len(left) > 1 else ''} {', '.join(left)} left")
+    if joined:
+        said.append(f"node{'s' if len(joined) > 1 else ''} {', '.join(joined)} joined")
+    change = "; ".join(said) if said else "the same nodes meet again"
+    goes = f"{len(now)} nodes go on" if len(now) != 1 else "1 node goes on"
+    return f"{change}; {goes} ({names}) of --nnodes {spec}"
+
+
+def missing_line(last: Optional[Sequence[str]], me: str, spec: str) -> str:
+    """What to add when too few nodes came back: the last group, and that only this one is known
+    to be here.
+
+    Example::
+
+        missing_line(["a", "b", "c"], "a", "2:3")
+        # 'the last group was a, b, c: b, c did not come back (need 2 of --nnodes 2:3)'
+    """
+    least = spec.split(":")[0]
+    if not last:
+        return f"need {least} of --nnodes {spec}"
+    others = [n for n in last if n != me]
+    return (f"the last group was {', '.join(last)}: {', '.join(others) or 'none'} did not come "
+            f"back (need {least} of --nnodes {spec}); its checkpoints are intact: start the "
+            "missing nodes with the same command, or lower MIN")
+
+
+class Members:
+    """The nodes of the newest group this agent was part of (``last``; None before the first)."""
+
+    def __init__(self, me: str) -> None:
+        self.me = me
+        self.last: Optional[List[str]] = None
+
+
+def _node_name(local_addr: Optional[str]) -> str:
+    host = socket.gethostname()
+    return f"{host} ({local_addr})" if local_addr and local_addr != host else host
+
+
+def _members(group: Any, me: str) -> List[str]:
+    store = group.store
+    store.set(f"{MEMBER_KEY}{group.group_rank}", json.dumps(me))
+    keys = [f"{MEMBER_KEY}{r}" for r in range(group.group_world_size)]
+    store.wait(keys, timedelta(seconds=_READ_TIMEOUT_S))
+    return [json.loads(store.get(key).decode()) for key in keys]
+
+
+@contextlib.contextmanager
+def tracking_members(spec: str, local_addr: Optional[str] = None) -> Iterator[Members]:
+    """While torchrun's agent runs here: after each rendezvous, the membership line (first node
+    only, on stderr). Best effort: a store that does not answer leaves the round unnamed.
+
+    Example::
+
+        with tracking_members("2:3", "10.213.0.1") as members:
+            torchrun(args)   # members.last: the newest group's nodes
+    """
+    members = Members(_node_name(local_addr))
+    try:
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+        original = SimpleElasticAgent._rendezvous
+    except (ImportError, AttributeError):  # another torch: rounds just go unnamed
+        yield members
+        return
+
+    def rendezvous(agent: Any, group: Any) -> None:
+        original(agent, group)
+        with contextlib.suppress(Exception):  # naming it must never stop the job
+            now = _members(group, members.me)
+            before, members.last = members.last, now
+            if group.group_rank == 0 and now != before:
+                sys.stderr.write(f"ddpkit run: {membership_line(before, now, spec)}\n")
+                sys.stderr.flush()
+
+    SimpleElasticAgent._rendezvous = rendezvous
+    try:
+        yield members
+    finally:
+        SimpleElasticAgent._rendezvous = original
