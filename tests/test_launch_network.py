@@ -333,7 +333,7 @@ def test_run_on_the_endpoint_host_serves_the_store_with_a_store_per_round(fake_t
     assert env[RDZV_ENDPOINT_VAR] == "127.0.0.1:29411"  # ddpkit doctor knows its job's port
     assert LAUNCHER_PID_VAR not in os.environ  # only while torchrun runs
     assert RDZV_ENDPOINT_VAR not in os.environ
-    assert fake_torchrun["watch"][0][:2] == ("127.0.0.1:29411", 2)
+    assert fake_torchrun["watch"][0][:2] == ("127.0.0.1:29411", "2")
 
 
 def test_run_single_node_adds_nothing_and_iface_pins_gloo(fake_torchrun):

@@ -90,7 +90,7 @@ def parse_nnodes(text: Any) -> Tuple[Optional[int], int]:
         raise ConfigError(f"--nnodes must be a node count N or a range MIN:MAX such as 2:4, "
                           f"got {text!r}") from None
     if least < 1:
-        raise ConfigError(f"--nnodes {text}: the node count must be >= 1")
+        raise ConfigError(f"--nnodes must be >= 1, got {text}")
     if least > most:
         raise ConfigError(f"--nnodes {text}: MIN ({least}) is larger than MAX ({most}); "
                           f"write --nnodes {most}:{least}")
@@ -103,7 +103,7 @@ def _check_ranges(values: Dict[str, Any]) -> None:
         if value is None:
             continue
         flag = "--" + name.replace("_", "-")
-        if name == "rdzv_timeout" and value <= 0:
+        if name in ("rdzv_timeout", "rdzv_last_call") and value <= 0:
             raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
         if value < least or (most is not None and value > most):
             bound = f"between {least} and {most}" if most is not None else f">= {least}"

@@ -4,6 +4,7 @@ the launching process before any worker starts (and again on every rank).
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import warnings
 from typing import Optional
@@ -19,7 +20,7 @@ from .datasets import ON_DISK, available_datasets, dataset_key
 from .disk_datasets import require_pil
 from .models import LANGUAGE_MODELS, available_models, is_torchvision, model_key
 
-__all__ = ["check_config", "micro_batch_size", "check_batch_fits", "known_train_size",
+__all__ = ["check_config", "check_every_world", "micro_batch_size", "check_batch_fits", "known_train_size",
            "check_resume"]
 
 
@@ -57,6 +58,28 @@ def micro_batch_size(cfg: TrainConfig, world_size: int, samples: Optional[int] =
         why = (f"--batch-size {batch} is larger than the {samples} training samples of "
                f"{cfg.data!r}: an epoch would be less than one full batch")
     raise ConfigError(f"{why}; use --batch-size {_good_sizes(batch, unit, samples)}")
+
+
+def check_every_world(cfg: TrainConfig, nproc: int, least: int, most: int,
+                      samples: Optional[int] = None) -> None:
+    """An elastic job (``--nnodes LEAST:MOST``) keeps its global batch on every node count it
+    may run on: one line naming the first node count that cannot split it, with sizes that
+    every count can.
+
+    Example::
+
+        check_every_world(TrainConfig(batch_size=8), nproc=1, least=2, most=3)   # ConfigError
+    """
+    unit = cfg.accum_steps
+    for nodes in range(least, most + 1):
+        unit = math.lcm(unit, nodes * nproc * cfg.accum_steps)
+    for nodes in range(least, most + 1):
+        try:
+            micro_batch_size(cfg, nodes * nproc, samples)
+        except ConfigError as exc:
+            raise ConfigError(f"--nnodes {least}:{most}: on {nodes} node{'s' if nodes > 1 else ''} "
+                              f"{str(exc).split(';')[0]}; use a --batch-size every node count "
+                              f"splits: {_good_sizes(cfg.batch_size, unit, samples)}") from None
 
 
 def _good_sizes(batch: int, unit: int, samples: Optional[int]) -> str:

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..launch import horovodrun
 from ..launch.srun import step_task
 from ..launch.torchrun import RunConfig, run
-from .check import check_config, check_resume, known_train_size
+from .check import check_config, check_every_world, check_resume, known_train_size
 from ..dist import check_gpu_sharing
 from .config import TrainConfig, parse_nproc
 from .rundir import hold_run_dir
@@ -85,6 +85,9 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
     if gpus and not inside:
         check_gpu_sharing(cfg.nproc, gpus, cfg.backend)
     world = detect(os.environ).world_size if inside else cfg.nproc * launch.nnodes
+    if launch.elastic and not inside:  # the job may go on with MIN nodes: same global batch
+        check_every_world(cfg, cfg.nproc, launch.min_nodes or 1, launch.nnodes,
+                          known_train_size(cfg))
     check_config(cfg, world, gpus > 0, known_train_size(cfg))
     check_resume(cfg)  # before the run directory's config is replaced
     # One run per directory: refused while another holds it, held through restarts.

@@ -1,0 +1,174 @@
+"""Elastic membership (``--nnodes MIN:MAX``) without processes: the flags, what torchrun is
+given, and every line a user reads when a node leaves or joins. The nodes themselves:
+tests/test_elastic.py."""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit.cli.flags import parse_nnodes
+from ddpkit.crash import PEER_LOSS_SUFFIX, note_peer_loss
+from ddpkit.errors import ConfigError
+from ddpkit.job.check import check_every_world
+from ddpkit.job.config import TrainConfig
+from ddpkit.launch import elastic
+from ddpkit.launch.torchrun import RunConfig, _peer_loss
+from ddpkit.resume import cadence_line, restarts_allowed, world_change_line
+
+from test_launch_network import _cfg, fake_torchrun  # noqa: F401 (a fixture)
+
+
+@pytest.mark.parametrize("text, expected", [("3", (None, 3)), ("2:3", (2, 3)), (" 1:1 ", (1, 1)),
+                                            (2, (None, 2))])
+def test_nnodes_is_a_count_or_a_range(text, expected):
+    assert parse_nnodes(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [("3:2", "MIN (3) is larger than MAX (2)"),
+                                           ("0:2", "must be >= 1"), ("2:x", "MIN:MAX"),
+                                           ("", "MIN:MAX")])
+def test_a_bad_range_is_one_line(text, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_nnodes(text)
+
+
+def test_only_a_range_with_room_is_elastic_and_it_restarts_by_default():
+    assert not RunConfig("t.py", nnodes=2).elastic and RunConfig("t.py", nnodes=2).restarts == 0
+    assert not RunConfig("t.py", nnodes=2, min_nodes=2).elastic
+    grows = RunConfig("t.py", nnodes=3, min_nodes=2)
+    assert grows.elastic and grows.restarts == 10 and grows.nnodes_spec == "2:3"
+    assert RunConfig("t.py", nnodes=3, min_nodes=2, max_restarts=0).restarts == 0
+
+
+def test_an_elastic_run_gives_torchrun_the_range_last_call_and_heartbeats(fake_torchrun):
+    from ddpkit.launch.torchrun import run
+
+    assert run(_cfg(fake_torchrun, nnodes=3, min_nodes=2, rdzv_endpoint="127.0.0.1:29411",
+                    rdzv_last_call=3.0)) == 0
+    args = fake_torchrun["args"]
+    assert args.nnodes == "2:3" and args.max_restarts == 10 and args.rdzv_backend == "c10d"
+    conf = args.rdzv_conf.split(",")
+    assert {"last_call_timeout=3", "keep_alive_interval=2", "keep_alive_max_attempt=3"} <= set(conf)
+    # Every node's range is checked against the first node's (nodes that disagree stop).
+    assert fake_torchrun["watch"][0][:2] == ("127.0.0.1:29411", "2:3")
+
+
+def test_an_elastic_run_defaults_the_last_call(fake_torchrun):
+    from ddpkit.launch.torchrun import run
+
+    run(_cfg(fake_torchrun, nnodes=4, min_nodes=1, rdzv_endpoint="127.0.0.1:29411"))
+    assert "last_call_timeout=10" in fake_torchrun["args"].rdzv_conf.split(",")
+
+
+def test_membership_lines_name_who_left_and_who_joined():
+    assert elastic.membership_line(None, ["a", "b", "c"], "2:3") == \
+        "3 nodes joined (--nnodes 2:3): a, b, c"
+    assert elastic.membership_line(["a", "b", "c"], ["a", "b"], "2:3") == \
+        "node c left; 2 nodes go on (a, b) of --nnodes 2:3"
+    assert elastic.membership_line(["a", "b"], ["a", "b", "c"], "2:3") == \
+        "node c joined; 3 nodes go on (a, b, c) of --nnodes 2:3"
+    assert elastic.membership_line(["a", "b"], ["a"], "1:2").startswith("node b left; 1 node goes on")
+    assert elastic.membership_line(["a", "b", "c"], ["a", "d"], "1:3") == \
+        "nodes b, c left; node d joined; 2 nodes go on (a, d) of --nnodes 1:3"
+
+
+def test_too_few_nodes_names_the_ones_that_did_not_come_back():
+    line = elastic.missing_line(["a", "b", "c"], "a", "2:3")
+    assert line.startswith("the last group was a, b, c: b, c did not come back (need 2 of "
+                           "--nnodes 2:3); its checkpoints are intact")
+    assert elastic.missing_line(None, "a", "2:3") == "need 2 of --nnodes 2:3"
+
+
+class _Store:
+    """A stand-in for a rendezvous round's store (set, wait, get)."""
+
+    def __init__(self, preset):
+        self.data = {k: json.dumps(v).encode() for k, v in preset.items()}
+
+    def set(self, key, value):
+        self.data[key] = value.encode()
+
+    def wait(self, keys, timeout):
+        assert all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_each_round_the_first_node_says_how_membership_changed(monkeypatch, capsys):
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    rounds = [({"ddpkit/member/1": "b", "ddpkit/member/2": "c"}, 3),
+              ({"ddpkit/member/1": "b"}, 2)]
+
+    def fake_rendezvous(agent, group):
+        preset, size = rounds.pop(0)
+        group.store, group.group_rank, group.group_world_size = _Store(preset), 0, size
+
+    monkeypatch.setattr(SimpleElasticAgent, "_rendezvous", fake_rendezvous)
+    monkeypatch.setattr(elastic, "_node_name", lambda addr: "a")
+    group = type("Group", (), {})()
+    with elastic.tracking_members("2:3") as members:
+        SimpleElasticAgent._rendezvous(None, group)
+        SimpleElasticAgent._rendezvous(None, group)
+    assert SimpleElasticAgent._rendezvous is fake_rendezvous  # put back
+    assert members.last == ["a", "b"]
+    assert capsys.readouterr().err.splitlines() == [
+        "ddpkit run: 3 nodes joined (--nnodes 2:3): a, b, c",
+        "ddpkit run: node c left; 2 nodes go on (a, b) of --nnodes 2:3"]
+
+
+def test_a_rank_that_lost_a_peer_leaves_the_step_and_address_for_the_restart_line(tmp_path,
+                                                                                 monkeypatch):
+    error_file = str(tmp_path / "error.json")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", error_file)
+    progress = type("Progress", (), {"last_step": 17})()
+    note_peer_loss(RuntimeError("[pair.cc:598] Connection closed by peer [10.213.0.3]:1968"),
+                   progress)
+    assert json.load(open(error_file + PEER_LOSS_SUFFIX)) == {"step": 17, "peer": "10.213.0.3"}
+    failure = type("Failure", (), {"error_file_data": {"message": "<NONE>"}, "exitcode": 1})()
+    assert _peer_loss(failure, error_file) == (
+        "lost a peer at 10.213.0.3 after step 17 (exit code 1): a node is gone or cut off, or a "
+        "process on it died")
+    # A rank that failed on its own error is named by that error, not as a lost peer.
+    failure.error_file_data = {"message": {"message": "ValueError: x"}}
+    assert _peer_loss(failure, error_file) is None
+    assert _peer_loss(failure, None) is None
+
+
+def test_a_resume_on_another_world_size_says_how_the_global_batch_is_split():
+    loader = type("Loader", (), {"batch_size": 6})()
+    line = world_change_line(3, 2, 14, loader, nn.Linear(2, 2))
+    assert line == ("resumed at step 14 on 2 processes (the checkpoint was written by 3); global "
+                    "batch 12 kept: 6 a rank, was 4; the epoch goes on with every sample once; "
+                    "each rank's random stream starts afresh")
+
+
+def test_a_resume_on_another_world_size_warns_about_batchnorm():
+    model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    assert "warning: 2 BatchNorm layers normalise each rank's batch alone" in \
+        world_change_line(2, 3, 5, None, model)
+    assert "BatchNorm" not in world_change_line(2, 3, 5, None, model.eval())
+
+
+def test_the_cadence_line_says_half_the_interval_and_the_save_time():
+    assert cadence_line(0, 5.0, 0.2, 0.4) == (
+        "checkpoints every 5 min: a failure loses 2.5 min of work on average, plus the restart; "
+        "a checkpoint took 0.40 s to save (0.1% of the interval)")
+    # Both set: the shorter interval decides.
+    assert cadence_line(100, 5.0, 0.5, 0.1).startswith("checkpoints every 100 steps: a failure "
+                                                       "loses 25.0 s of work")
+    assert "only epoch ends save" in cadence_line(0, 0.0, 0.5, 0.1)
+    assert restarts_allowed({"TORCHELASTIC_MAX_RESTARTS": "3"})
+    assert not restarts_allowed({}) and not restarts_allowed({"TORCHELASTIC_MAX_RESTARTS": "x"})
+
+
+def test_an_elastic_job_checks_its_global_batch_on_every_node_count():
+    check_every_world(TrainConfig(batch_size=12), nproc=1, least=2, most=3)
+    check_every_world(TrainConfig(batch_size=24, accum_steps=2), nproc=2, least=2, most=3)
+    with pytest.raises(ConfigError, match="--nnodes 2:4: on 3 nodes --batch-size 32 cannot be "
+                                          "split evenly over 6 processes; use a --batch-size "
+                                          "every node count splits: 24 or 48"):
+        check_every_world(TrainConfig(batch_size=32), nproc=2, least=2, most=4)
