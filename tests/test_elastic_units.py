@@ -2,10 +2,8 @@
 given, and every line a user reads when a node leaves or joins. The nodes themselves:
 tests/test_elastic.py."""
 import json
-import os
 
 import pytest
-import torch
 from torch import nn
 
 from ddpkit.cli.flags import parse_nnodes
@@ -14,8 +12,9 @@ from ddpkit.errors import ConfigError
 from ddpkit.job.check import check_every_world
 from ddpkit.job.config import TrainConfig
 from ddpkit.launch import elastic
-from ddpkit.launch.torchrun import RunConfig, _peer_loss
-from ddpkit.resume import cadence_line, restarts_allowed, world_change_line
+from ddpkit.launch.restarts import _peer_loss
+from ddpkit.launch.torchrun import RunConfig
+from ddpkit.resume_notes import cadence_line, restarts_allowed, world_change_line
 
 from test_launch_network import _cfg, fake_torchrun  # noqa: F401 (a fixture)
 

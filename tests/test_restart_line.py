@@ -55,6 +55,6 @@ def _failure(code, recorded=False, timestamp=5):
     ({1: _failure(1, True, 7), 0: _failure(1, True, 6)}, 0),  # the earliest recorded one
 ])
 def test_the_failure_named_is_the_cause_not_a_consequence(failures, first):
-    from ddpkit.launch.torchrun import _first_failure
+    from ddpkit.launch.restarts import first_failure as _first_failure
 
     assert _first_failure(failures)[0] == first

@@ -7,7 +7,6 @@ and restores it; one call per optimizer step also turns SIGTERM / SIGUSR1 into "
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from .checkpoint import (check_compatible, check_optimizer_compatible, checkpoin
                          checkpoint_name, load_checkpoint, resolve_resume, save_checkpoint)
 from .ckpt_compat import plain_state
 from .errors import ConfigError
+from .resume_notes import cadence_line, restarts_allowed, world_change_line
 from .seed import rng_state, set_rng_state
 from .shared_dir import check_shared
 from .sharded import is_sharded, load_full_state, load_shards, remove_shards, save_shards
@@ -330,76 +330,6 @@ class Checkpointer:
         else:
             comm.print0(world_change_line(ckpt.get("world_size"), self.rt.world_size,
                                           self.global_step, self.loader, self.model))
-
-
-def restarts_allowed(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the launcher restarts this job after a failure (torchrun's ``--max-restarts``)."""
-    try:
-        return int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
-    except ValueError:
-        return False
-
-
-def cadence_line(every_steps: int, every_minutes: float, step_s: float, save_s: float) -> str:
-    """What a failure costs at this checkpoint cadence: half the interval of work on average,
-    beside the measured save time (said once, after the first save of a job that restarts).
-
-    Example::
-
-        cadence_line(0, 5.0, 0.2, 0.4)
-        # 'checkpoints every 5 min: a failure loses 2.5 min of work on average (...); ...'
-    """
-    intervals = []
-    if every_minutes > 0:
-        intervals.append((60.0 * every_minutes, f"{every_minutes:g} min"))
-    if every_steps:
-        intervals.append((every_steps * step_s, f"{every_steps} steps"))
-    if not intervals:
-        return (f"a checkpoint took {save_s:.2f} s to save; only epoch ends save: a failure "
-                "loses half an epoch of work on average (--ckpt-every-minutes saves more often)")
-    seconds, said = min(intervals)
-    return (f"checkpoints every {said}: a failure loses {_duration(seconds / 2)} of work on "
-            f"average, plus the restart; a checkpoint took {save_s:.2f} s to save "
-            f"({100 * save_s / max(seconds, 1e-9):.1f}% of the interval)")
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.1f} s"
-
-
-def world_change_line(before: Any, now: int, step: int, loader: Any = None,
-                      model: Any = None) -> str:
-    """The line for a checkpoint resumed on another number of processes: the step, how the
-    global batch is split now, and what is not the same (random streams, BatchNorm).
-
-    Example::
-
-        world_change_line(3, 2, 14)
-        # 'resumed at step 14 on 2 processes (the checkpoint was written by 3): ...'
-    """
-    said = [f"resumed at step {step} on {now} processes (the checkpoint was written by {before})"]
-    per_rank = getattr(loader, "batch_size", None)
-    if isinstance(per_rank, int):
-        total = per_rank * now
-        was = f", was {total // before}" if isinstance(before, int) and before and \
-            total % before == 0 else ""
-        said.append(f"global batch {total} kept: {per_rank} a rank{was}; the epoch goes on with "
-                    "every sample once")
-    said.append("each rank's random stream starts afresh")
-    norms = _unsynced_batchnorm(model)
-    if norms:
-        said.append(f"warning: {norms} BatchNorm layer{'s' if norms > 1 else ''} normalise each "
-                    "rank's batch alone, so results depend on the world size (SyncBatchNorm "
-                    "on GPUs: --sync-bn, or rt.wrap(model, sync_bn=True))")
-    return "; ".join(said)
-
-
-def _unsynced_batchnorm(model: Any) -> int:
-    if not isinstance(model, nn.Module):
-        return 0
-    return sum(1 for m in unwrap(model).modules()
-               if isinstance(m, nn.modules.batchnorm._BatchNorm)
-               and not isinstance(m, nn.SyncBatchNorm) and m.training)
 
 
 def _next_position(loader: Dict[str, Any], progress: Dict[str, Any]) -> Dict[str, Any]:

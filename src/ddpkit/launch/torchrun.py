@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import logging
 import os
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..crash import LAUNCHER_PID_VAR, PEER_LOSS_SUFFIX
+from ..crash import LAUNCHER_PID_VAR
 from ..errors import ConfigError
 from ..stops import STOP_SIGNALS, signal_name
-from . import elastic, network as net, srun, watchdog
+from . import elastic, network as net, restarts, srun, watchdog
 from .network import port_in_use
 
 __all__ = ["RunConfig", "run", "torchrun_args", "resolve_nproc", "AGENT_SIGNALS"]
@@ -278,7 +277,7 @@ def run(cfg: RunConfig) -> int:
     try:
         tracking = (elastic.tracking_members(cfg.nnodes_spec, plan.local_addr) if cfg.elastic
                     else contextlib.nullcontext())
-        with _guard(cfg, plan.is_host), _naming_restarts(), tracking as members:
+        with _guard(cfg, plan.is_host), restarts.naming_restarts(), tracking as members:
             torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
     except SignalException as exc:  # the agent stopped every worker with this signal first
         return _stopped(cfg, int(exc.sigval))
@@ -290,7 +289,7 @@ def run(cfg: RunConfig) -> int:
             return _stopped(cfg, stopped)
         rank, failure = _root_cause(exc)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        print(f"ddpkit run: rank {rank} failed ({_how(failure)})", flush=True, file=sys.stderr)
+        print(f"ddpkit run: rank {rank} failed ({restarts.how(failure)})", flush=True, file=sys.stderr)
         return code
     except Exception as exc:
         if cfg.nnodes <= 1:
@@ -328,19 +327,6 @@ def _parse(parser: Any, argv: List[str]) -> Any:
     return parser.parse_args(argv)
 
 
-def _how(failure: Any, restarting: bool = False) -> str:
-    """How a worker failed, and whether its own error is above (torchrun's error file says).
-    ``restarting``: a rank that only lost a peer has said nothing (ddpkit.crash), so say so."""
-    if isinstance(failure.error_file_data.get("message"), dict):
-        return f"exit code {failure.exitcode}; its error is printed above"
-    if failure.exitcode < 0:
-        return (f"killed by {signal_name(-failure.exitcode)}; it printed no error: killed from "
-                "outside, out of memory, or a crash in native code")
-    if restarting:
-        return f"exit code {failure.exitcode}; it lost a peer on another node, or see its output"
-    return f"exit code {failure.exitcode}; see its output above"
-
-
 def _quiet_agent_logs() -> None:
     # The agent's loggers are created on import with their own levels: quiet each of them.
     for name in list(logging.root.manager.loggerDict):
@@ -365,89 +351,5 @@ def _stopped(cfg: RunConfig, signum: int) -> int:
 
 
 def _root_cause(exc: Any) -> Any:
-    """The failure that started it, as (rank, failure): see :func:`_first_failure`."""
-    return _first_failure(exc.failures)
-
-
-def _first_failure(failures: dict) -> Tuple[int, Any]:
-    """Ranks that recorded an error (the earliest) beat ranks killed by a signal from outside
-    (``kill -9``, the OOM killer, a crash in native code), which beat the rest: ranks that lost
-    a peer, or that the agent itself stopped with SIGTERM once one had failed. Among equals, the
-    order the agent saw them in (its dict keeps it; timestamps are whole seconds)."""
-    def order(item: Tuple[int, Any]) -> Tuple[int, float]:
-        failure = item[1]
-        if isinstance(failure.error_file_data.get("message"), dict):
-            return 0, failure.timestamp
-        return (1 if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM else 2), 0.0
-
-    return min(failures.items(), key=order)  # min keeps the first of equals
-
-
-def _say_restart(agent: Any, group: Any, failed: Any) -> None:
-    seen = getattr(agent, "_ddpkit_seen", None)
-    if seen is not None and seen.state != failed and group.group_rank == 0:
-        # Healthy workers restarted: torchrun's agent saw a node waiting to join (elastic).
-        print("ddpkit run: a node is waiting to join: every rank checkpoints at its next step "
-              "and the group restarts with it", file=sys.stderr, flush=True)
-        return
-    if seen is None or seen.state != failed or not seen.failures:
-        return
-    rank, failure = _first_failure(seen.failures)
-    most = group.spec.max_restarts  # the agent has counted this restart already
-    left = getattr(agent, "_remaining_restarts", None)
-    count = f" (restart {most - left} of {most})" if isinstance(left, int) else ""
-    lost = _peer_loss(failure, _error_file(agent, failure))
-    what = lost if lost else f"failed ({_how(failure, restarting=True)})"
-    print(f"ddpkit run: rank {rank} {what}; restarting every rank{count}", file=sys.stderr,
-          flush=True)
-
-
-def _error_file(agent: Any, failure: Any) -> Optional[str]:
-    # The failure forgets the path when the rank wrote no error file: the agent's workers know it.
-    files = getattr(getattr(agent, "_pcontext", None), "error_files", None) or {}
-    return files.get(failure.local_rank)
-
-
-def _peer_loss(failure: Any, error_file: Optional[str]) -> Optional[str]:
-    """``lost a peer at 10.0.0.3 after step 6 ...`` when the rank said so (ddpkit.crash, beside
-    its ``error_file``), else None."""
-    if error_file is None or isinstance(failure.error_file_data.get("message"), dict):
-        return None  # it failed itself: its own error is printed
-    try:
-        with open(error_file + PEER_LOSS_SUFFIX) as f:
-            note = json.load(f)
-    except (OSError, ValueError, TypeError):
-        return None
-    step = f" after step {note['step']}" if note.get("step") is not None else ""
-    peer = f" at {note['peer']}" if note.get("peer") else ""
-    return (f"lost a peer{peer}{step} (exit code {failure.exitcode}): a node is gone or cut "
-            "off, or a process on it died")
-
-
-@contextlib.contextmanager
-def _naming_restarts() -> Iterator[None]:
-    """While the agent runs: one line each time it restarts the group after a failure, naming
-    the rank and how it failed (the agent restarts silently with its logs quiet). The agent
-    does not hand the failure to its restart, so its last observation is kept on the agent."""
-    try:
-        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-        monitor, restart = LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers
-    except (ImportError, AttributeError):  # another torch: restarts just go unnamed
-        yield
-        return
-
-    def monitored(agent: Any, group: Any) -> Any:
-        agent._ddpkit_seen = monitor(agent, group)
-        return agent._ddpkit_seen
-
-    def restarted(agent: Any, group: Any) -> None:
-        with contextlib.suppress(Exception):  # naming it must never stop the restart itself
-            _say_restart(agent, group, WorkerState.FAILED)
-        restart(agent, group)
-
-    LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers = monitored, restarted
-    try:
-        yield
-    finally:
-        LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers = monitor, restart
+    """The failure that started it, as (rank, failure): see :func:`.restarts.first_failure`."""
+    return restarts.first_failure(exc.failures)
