@@ -46,7 +46,7 @@ def env_without_launcher(monkeypatch):
     return os.environ
 
 
-MULTINODE_FILES = ("test_multinode.py", "test_launch_network.py", "test_crash.py", "test_elastic.py",
+MULTINODE_FILES = ("test_multinode.py", "test_launch_network.py", "test_crash.py",
                    "test_doctor_multinode.py")
 
 

