@@ -1,6 +1,6 @@
 """Elastic membership (``--nnodes MIN:MAX``) without processes: the flags, what torchrun is
 given, and every line a user reads when a node leaves or joins. The nodes themselves:
-tests/test_elastic.py."""
+the elastic scenarios of tests/test_multinode.py."""
 import json
 
 import pytest

@@ -147,7 +147,10 @@ def format_epoch(m: Dict[str, float], epochs: int) -> str:
 
         format_epoch({"epoch": 1, "train/loss": 0.5}, 10)   # 'epoch 1/10  loss 0.5000'
     """
-    parts = [f"epoch {m['epoch']}/{epochs}", f"loss {m['train/loss']:.4f}"]
+    if m.get("train/samples") == 0:  # resumed from a checkpoint at the epoch's last batch
+        parts = [f"epoch {m['epoch']}/{epochs}", "(its training was done before the resume)"]
+    else:
+        parts = [f"epoch {m['epoch']}/{epochs}", f"loss {m['train/loss']:.4f}"]
     if "eval/loss" in m:
         scores = "  ".join(f"{k[5:]} {v:.2f}%" for k, v in m.items()
                            if k.startswith("eval/top") and isinstance(v, float))
@@ -157,6 +160,6 @@ def format_epoch(m: Dict[str, float], epochs: int) -> str:
         parts.append("  ".join(p for p in (f"eval loss {m['eval/loss']:.4f}", scores, others,
                                            f"({m['eval/count']} targets)")
                                if p))
-    if "train/samples_per_s" in m:
+    if "train/samples_per_s" in m and m.get("train/samples") != 0:
         parts.append(f"{m['train/samples_per_s']:.0f} samples/s  step {m['train/step_ms']:.1f} ms")
     return "  ".join(parts)

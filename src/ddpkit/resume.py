@@ -180,7 +180,8 @@ class Checkpointer:
         self.rt.stops.settle()
         if not saved_now:
             saved = self.save()
-        waited = time.monotonic() - (self.rt.stops.received_at or time.monotonic())
+        # another rank may have asked first: this one got its own signal later, or none
+        waited = max(0.0, time.monotonic() - (self.rt.stops.received_at or time.monotonic()))
         what = (f"checkpoint {saved} saved {waited:.1f} s after the signal" if saved else
                 "nothing saved" if self.directory is None else
                 f"checkpoint saved in {self.directory}")
@@ -234,9 +235,10 @@ class Checkpointer:
             raise
         self._last_save_time = time.monotonic()
         self.last_saved, self.saved_step = path, self.global_step
-        if not self._cadence_said and restarts_allowed():
+        measured = self.global_step - self._first_step  # steps timed since this process began
+        if not self._cadence_said and measured > 0 and restarts_allowed():
             self._cadence_said = True
-            per_step = (began - self._started) / max(1, self.global_step - self._first_step)
+            per_step = (began - self._started) / measured
             comm.print0(cadence_line(self.every_steps, self.every_minutes, per_step,
                                      self._last_save_time - began))
         return path
