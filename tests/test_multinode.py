@@ -367,10 +367,12 @@ def outcomes(tmp_path_factory):
     results = {}
 
     def run(name, fn):
+        began = time.monotonic()
         try:
             results[name] = fn(str(tmp_path_factory.mktemp(name)))
         except Exception as exc:  # reported by the test that reads it
             results[name] = exc
+        print(f"scenario {name}: {time.monotonic() - began:.1f} s", flush=True)  # -s shows it
 
     threads = [threading.Thread(target=run, args=item) for item in SCENARIOS.items()]
     for t in threads:
