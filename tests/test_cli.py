@@ -95,6 +95,8 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
      "--nnodes 2:3 (elastic) needs a c10d rendezvous: pass --rdzv-endpoint"),
     (["run", "--nnodes", "2:3", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-last-call", "0",
       "examples/train_ddpkit.py"], "--rdzv-last-call must be > 0"),
+    (["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-last-call", "5",
+      "examples/train_ddpkit.py"], "--rdzv-last-call only applies to an elastic job"),
     (["train", "--nnodes", "2:3", "--rdzv-endpoint", "127.0.0.1:29400", "--nproc", "1",
       "--batch-size", "32"], "on 3 nodes --batch-size 32 cannot be split evenly over 3 "
                              "processes; use a --batch-size every node count splits: 30 or 36"),

@@ -19,7 +19,7 @@ from ddpkit.resume_notes import cadence_line, restarts_allowed, world_change_lin
 from test_launch_network import _cfg, fake_torchrun  # noqa: F401 (a fixture)
 
 
-@pytest.mark.parametrize("text, expected", [("3", (None, 3)), ("2:3", (2, 3)), (" 1:1 ", (1, 1)),
+@pytest.mark.parametrize("text, expected", [("3", (None, 3)), ("2:3", (2, 3)), (" 1:1 ", (None, 1)),
                                             (2, (None, 2))])
 def test_nnodes_is_a_count_or_a_range(text, expected):
     assert parse_nnodes(text) == expected
@@ -75,8 +75,8 @@ def test_membership_lines_name_who_left_and_who_joined():
 
 def test_too_few_nodes_names_the_ones_that_did_not_come_back():
     line = elastic.missing_line(["a", "b", "c"], "a", "2:3")
-    assert line.startswith("the last group was a, b, c: b, c did not come back (need 2 of "
-                           "--nnodes 2:3); its checkpoints are intact")
+    assert line.startswith("the last group was a, b, c: fewer than 2 of them came back (this "
+                           "node is a; need 2 of --nnodes 2:3); its checkpoints are intact")
     assert elastic.missing_line(None, "a", "2:3") == "need 2 of --nnodes 2:3"
 
 
@@ -99,24 +99,35 @@ class _Store:
 def test_each_round_the_first_node_says_how_membership_changed(monkeypatch, capsys):
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-    rounds = [({"ddpkit/member/1": "b", "ddpkit/member/2": "c"}, 3),
-              ({"ddpkit/member/1": "b"}, 2)]
+    # This node is "a"; each round: the others' (name, previous group), a's group rank, size.
+    rounds = [({"ddpkit/member/1": ["b", None], "ddpkit/member/2": ["c", None]}, 0, 3),
+              ({"ddpkit/member/1": ["b", ["a", "b", "c"]]}, 0, 2),
+              ({"ddpkit/member/1": ["b", ["a", "b"]]}, 0, 2),   # the same nodes: no line
+              ({"ddpkit/member/0": ["d", None]}, 1, 2),          # a newcomer ranks first
+              ({"ddpkit/member/1": ["e", None]}, 1, 2)]          # "a" not the first with history
 
     def fake_rendezvous(agent, group):
-        preset, size = rounds.pop(0)
-        group.store, group.group_rank, group.group_world_size = _Store(preset), 0, size
+        preset, rank, size = rounds.pop(0)
+        if rank == 1 and "ddpkit/member/1" in preset:  # someone else tells: "a" is rank 1
+            preset = {"ddpkit/member/0": ["d", ["d", "a"]], **preset}
+            preset.pop("ddpkit/member/1")
+            preset["ddpkit/member/2"] = ["e", None]
+            size = 3
+        group.store, group.group_rank, group.group_world_size = _Store(preset), rank, size
 
     monkeypatch.setattr(SimpleElasticAgent, "_rendezvous", fake_rendezvous)
     monkeypatch.setattr(elastic, "_node_name", lambda addr: "a")
     group = type("Group", (), {})()
     with elastic.tracking_members("2:3") as members:
-        SimpleElasticAgent._rendezvous(None, group)
-        SimpleElasticAgent._rendezvous(None, group)
+        for _ in range(5):
+            SimpleElasticAgent._rendezvous(None, group)
     assert SimpleElasticAgent._rendezvous is fake_rendezvous  # put back
-    assert members.last == ["a", "b"]
+    assert members.last == ["d", "a", "e"]
     assert capsys.readouterr().err.splitlines() == [
         "ddpkit run: 3 nodes joined (--nnodes 2:3): a, b, c",
-        "ddpkit run: node c left; 2 nodes go on (a, b) of --nnodes 2:3"]
+        "ddpkit run: node c left; 2 nodes go on (a, b) of --nnodes 2:3",
+        # the newcomer d (rank 0) knows nothing; a, the first with a past group, says it
+        "ddpkit run: node b left; node d joined; 2 nodes go on (d, a) of --nnodes 2:3"]
 
 
 def test_a_rank_that_lost_a_peer_leaves_the_step_and_address_for_the_restart_line(tmp_path,
@@ -140,9 +151,9 @@ def test_a_rank_that_lost_a_peer_leaves_the_step_and_address_for_the_restart_lin
 def test_a_resume_on_another_world_size_says_how_the_global_batch_is_split():
     loader = type("Loader", (), {"batch_size": 6})()
     line = world_change_line(3, 2, 14, loader, nn.Linear(2, 2))
-    assert line == ("resumed at step 14 on 2 processes (the checkpoint was written by 3); global "
-                    "batch 12 kept: 6 a rank, was 4; the epoch goes on with every sample once; "
-                    "each rank's random stream starts afresh")
+    assert line == ("resumed at step 14 on 2 processes (the checkpoint was written by 3); each "
+                    "batch still spans 12 samples: 6 a rank, was 4; the epoch goes on with every "
+                    "sample once; each rank's random stream starts afresh")
 
 
 def test_a_resume_on_another_world_size_warns_about_batchnorm():
@@ -171,3 +182,21 @@ def test_an_elastic_job_checks_its_global_batch_on_every_node_count():
                                           "split evenly over 6 processes; use a --batch-size "
                                           "every node count splits: 24 or 48"):
         check_every_world(TrainConfig(batch_size=32), nproc=2, least=2, most=4)
+    with pytest.raises(ConfigError, match="no batch size fits every node count with this data: "
+                                          "narrow the range"):
+        check_every_world(TrainConfig(batch_size=256), nproc=8, least=1, most=8, samples=1797)
+    with pytest.raises(ConfigError, match="--nnodes 1:2: on 2 nodes the 3 training samples"):
+        check_every_world(TrainConfig(batch_size=2), nproc=2, least=1, most=2, samples=3)
+
+
+def test_an_elastic_job_resumes_even_without_restarts(monkeypatch, tmp_path):
+    """torchrun restarts healthy workers to grow the group whatever --max-restarts says."""
+    from ddpkit.job import start as job_start
+
+    seen = {}
+    monkeypatch.setattr(job_start, "_launch", lambda cfg, *a: seen.setdefault("cfg", cfg) and 0)
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = TrainConfig(output=str(tmp_path / "run"), nproc=1, batch_size=12, epochs=1)
+    job_start.start(cfg, RunConfig("w", nnodes=3, min_nodes=2, max_restarts=0,
+                                   rdzv_endpoint="127.0.0.1:29400"))
+    assert seen["cfg"].resume == "auto"

@@ -137,7 +137,9 @@ def _from_torchrun(environ: Mapping[str, str], argv: Sequence[str]) -> ClusterEn
         master_port=_int(environ, "MASTER_PORT"),
         launcher="torchrun",
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
-        job_id=environ.get("TORCHELASTIC_RUN_ID"), nodes=_int(environ, "GROUP_WORLD_SIZE"),
+        # ddpkit run's --rdzv-id as given (torchrun's run id carries the node count too)
+        job_id=environ.get("DDPKIT_RUN_ID") or environ.get("TORCHELASTIC_RUN_ID"),
+        nodes=_int(environ, "GROUP_WORLD_SIZE"),
         shared_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         vouched=any(environ.get(k) for k in _LAUNCHER_MARKS) or _in_slurm_step(environ),
         join_timeout=_seconds(environ, JOIN_TIMEOUT_VAR),

@@ -65,8 +65,8 @@ def world_change_line(before: Any, now: int, step: int, loader: Any = None,
         total = per_rank * now
         was = f", was {total // before}" if isinstance(before, int) and before and \
             total % before == 0 else ""
-        said.append(f"global batch {total} kept: {per_rank} a rank{was}; the epoch goes on with "
-                    "every sample once")
+        said.append(f"each batch still spans {total} samples: {per_rank} a rank{was}; the epoch "
+                    "goes on with every sample once")
     said.append("each rank's random stream starts afresh")
     norms = _unsynced_batchnorm(model)
     if norms:

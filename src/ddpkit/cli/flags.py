@@ -21,7 +21,8 @@ _LAUNCH_FLAGS = (
     (("--master-addr",), dict(help="address of node 0 (static rendezvous)")),
     (("--master-port",), dict(type=int, help="port on node 0 (default: a free one)")),
     (("--rdzv-endpoint",), dict(help="HOST:PORT of the c10d rendezvous (multi-node, elastic)")),
-    (("--rdzv-id",), dict(help="job id shared by all nodes (default 'ddpkit')")),
+    (("--rdzv-id",), dict(help="job id shared by all nodes (default 'ddpkit'; torchrun's run id "
+                               "adds the node count, so nodes that disagree never meet)")),
     (("--rdzv-timeout",), dict(type=float, metavar="SECONDS",
                                help="several nodes: every node must join within this many "
                                     "seconds of the first (default: torchrun's 600)")),
@@ -94,7 +95,7 @@ def parse_nnodes(text: Any) -> Tuple[Optional[int], int]:
     if least > most:
         raise ConfigError(f"--nnodes {text}: MIN ({least}) is larger than MAX ({most}); "
                           f"write --nnodes {most}:{least}")
-    return (least if sep else None), most
+    return (least if sep and least < most else None), most  # 2:2 is 2
 
 
 def _check_ranges(values: Dict[str, Any]) -> None:

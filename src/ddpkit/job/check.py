@@ -77,9 +77,13 @@ def check_every_world(cfg: TrainConfig, nproc: int, least: int, most: int,
         try:
             micro_batch_size(cfg, nodes * nproc, samples)
         except ConfigError as exc:
-            raise ConfigError(f"--nnodes {least}:{most}: on {nodes} node{'s' if nodes > 1 else ''} "
-                              f"{str(exc).split(';')[0]}; use a --batch-size every node count "
-                              f"splits: {_good_sizes(cfg.batch_size, unit, samples)}") from None
+            where = f"--nnodes {least}:{most}: on {nodes} node{'s' if nodes > 1 else ''}"
+            sizes = _good_sizes(cfg.batch_size, unit, samples)
+            if "cannot be split" not in str(exc):  # too few samples: the line says what to do
+                raise ConfigError(f"{where} {exc}") from None
+            fix = (f"use a --batch-size every node count splits: {sizes}" if sizes else
+                   "no batch size fits every node count with this data: narrow the range")
+            raise ConfigError(f"{where} {str(exc).split(';')[0]}; {fix}") from None
 
 
 def _good_sizes(batch: int, unit: int, samples: Optional[int]) -> str:

@@ -72,7 +72,8 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
         start(TrainConfig(epochs=2, output="runs/quick"))   # one process per GPU (2 on CPU)
     """
     launch = launch or RunConfig(WORKER)
-    if launch.restarts and not cfg.resume:
+    # a restarted worker must pick up its work; an elastic group also restarts to grow
+    if (launch.restarts or launch.elastic) and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume="auto")  # a restarted worker must pick up its work
     # Already a worker of a launcher (torchrun)? Not Slurm's batch script, which starts its own.
     inside = "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -13,7 +13,7 @@ import json
 import socket
 import sys
 from datetime import timedelta
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = ["membership_line", "missing_line", "tracking_members", "Members", "MEMBER_KEY"]
 
@@ -40,7 +40,7 @@ def membership_line(before: Optional[Sequence[str]], now: Sequence[str], spec: s
         said.append(f"node{'s' if len(left) > 1 else ''} {', '.join(left)} left")
     if joined:
         said.append(f"node{'s' if len(joined) > 1 else ''} {', '.join(joined)} joined")
-    change = "; ".join(said) if said else "the same nodes meet again"
+    change = "; ".join(said) if said else "the same nodes meet again"  # (not printed)
     goes = f"{len(now)} nodes go on" if len(now) != 1 else "1 node goes on"
     return f"{change}; {goes} ({names}) of --nnodes {spec}"
 
@@ -52,15 +52,14 @@ def missing_line(last: Optional[Sequence[str]], me: str, spec: str) -> str:
     Example::
 
         missing_line(["a", "b", "c"], "a", "2:3")
-        # 'the last group was a, b, c: b, c did not come back (need 2 of --nnodes 2:3)'
+        # 'the last group was a, b, c: fewer than 2 of them came back (this node is a) ...'
     """
     least = spec.split(":")[0]
     if not last:
         return f"need {least} of --nnodes {spec}"
-    others = [n for n in last if n != me]
-    return (f"the last group was {', '.join(last)}: {', '.join(others) or 'none'} did not come "
-            f"back (need {least} of --nnodes {spec}); its checkpoints are intact: start the "
-            "missing nodes with the same command, or lower MIN")
+    return (f"the last group was {', '.join(last)}: fewer than {least} of them came back (this "
+            f"node is {me}; need {least} of --nnodes {spec}); its checkpoints are intact: start "
+            "the missing nodes with the same command, or lower MIN")
 
 
 class Members:
@@ -76,12 +75,22 @@ def _node_name(local_addr: Optional[str]) -> str:
     return f"{host} ({local_addr})" if local_addr and local_addr != host else host
 
 
-def _members(group: Any, me: str) -> List[str]:
+def _members(group: Any, me: str, before: Optional[List[str]]) -> List[Any]:
+    """Every node's (name, previous group) in this round, by group rank."""
     store = group.store
-    store.set(f"{MEMBER_KEY}{group.group_rank}", json.dumps(me))
+    store.set(f"{MEMBER_KEY}{group.group_rank}", json.dumps([me, before]))
     keys = [f"{MEMBER_KEY}{r}" for r in range(group.group_world_size)]
     store.wait(keys, timedelta(seconds=_READ_TIMEOUT_S))
     return [json.loads(store.get(key).decode()) for key in keys]
+
+
+def _teller(said: List[Any]) -> Tuple[int, Optional[List[str]]]:
+    """Who says the line, and against which group: the first node (by group rank) that was in
+    a group before, or rank 0 when none was (a newcomer knows nothing to compare with)."""
+    for rank, (_, before) in enumerate(said):
+        if before is not None:
+            return rank, before
+    return 0, None
 
 
 @contextlib.contextmanager
@@ -105,9 +114,11 @@ def tracking_members(spec: str, local_addr: Optional[str] = None) -> Iterator[Me
     def rendezvous(agent: Any, group: Any) -> None:
         original(agent, group)
         with contextlib.suppress(Exception):  # naming it must never stop the job
-            now = _members(group, members.me)
-            before, members.last = members.last, now
-            if group.group_rank == 0 and now != before:
+            said = _members(group, members.me, members.last)
+            now = [name for name, _ in said]
+            members.last = now
+            teller, before = _teller(said)
+            if group.group_rank == teller and (before is None or set(now) != set(before)):
                 sys.stderr.write(f"ddpkit run: {membership_line(before, now, spec)}\n")
                 sys.stderr.flush()
 

@@ -42,9 +42,11 @@ def is_first_task(environ: Mapping[str, str] = os.environ) -> bool:
     return step_task(environ) in (None, 0)
 
 
-def check_layout(nnodes: int, nproc: int, environ: Mapping[str, str] = os.environ) -> None:
+def check_layout(nnodes: Optional[int], nproc: int,
+                 environ: Mapping[str, str] = os.environ) -> None:
     """Under srun: raise :class:`JobSetupError` unless this is the only task on its node and the
-    step spans ``nnodes`` nodes. Outside an srun step: nothing to check.
+    step spans ``nnodes`` nodes (None: any number, an elastic range). Outside an srun step:
+    nothing to check.
 
     Example::
 
@@ -70,7 +72,7 @@ def check_layout(nnodes: int, nproc: int, environ: Mapping[str, str] = os.enviro
             "renders; it starts the workers), or drop `ddpkit run` and start one task per device "
             "with `srun python train.py`")
     nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or len(counts))
-    if nnodes != nodes:
+    if nnodes is not None and nnodes != nodes:
         raise JobSetupError(f"ddpkit run --nnodes {nnodes}, but this srun step runs on {nodes} "
                             f"node(s): pass --nnodes \"$SLURM_NNODES\" (or ask Slurm for "
                             f"--nodes={nnodes})")

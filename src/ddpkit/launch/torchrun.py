@@ -109,15 +109,17 @@ def _validate(cfg: RunConfig) -> int:
     nproc = resolve_nproc(cfg.nproc)
     if cfg.nnodes < 1 or (cfg.min_nodes is not None and not 1 <= cfg.min_nodes <= cfg.nnodes):
         raise ConfigError(f"--nnodes {cfg.nnodes_spec}: need 1 <= MIN <= MAX")
-    if cfg.elastic:
-        if not cfg.rdzv_endpoint:
-            raise ConfigError(f"--nnodes {cfg.nnodes_spec} (elastic) needs a c10d rendezvous: "
-                              "pass --rdzv-endpoint HOST:PORT (the same on every node; its "
-                              "node must stay up), not --master-addr")
-    else:
-        srun.check_layout(cfg.nnodes, nproc)  # a task of an srun step: one per node
+    if cfg.elastic and not cfg.rdzv_endpoint:
+        raise ConfigError(f"--nnodes {cfg.nnodes_spec} (elastic) needs a c10d rendezvous: "
+                          "pass --rdzv-endpoint HOST:PORT (the same on every node; its "
+                          "node must stay up), not --master-addr")
+    # a task of an srun step: one per node (an elastic range: on any number of them)
+    srun.check_layout(None if cfg.elastic else cfg.nnodes, nproc)
     if cfg.rdzv_last_call is not None and cfg.rdzv_last_call <= 0:
         raise ConfigError(f"--rdzv-last-call must be > 0 seconds, got {cfg.rdzv_last_call:g}")
+    if cfg.rdzv_last_call is not None and not cfg.elastic:
+        raise ConfigError("--rdzv-last-call only applies to an elastic job: give --nnodes "
+                          "MIN:MAX, or leave it out")
     if not cfg.elastic and not 0 <= cfg.node_rank < cfg.nnodes:
         raise ConfigError(f"--node-rank {cfg.node_rank} is impossible with --nnodes "
                           f"{cfg.nnodes} (node ranks run from 0 to {cfg.nnodes - 1})")
@@ -279,8 +281,10 @@ def run(cfg: RunConfig) -> int:
     extra, plan = _network(cfg)
     _child_environment(nproc, plan.iface)
     previous_endpoint = os.environ.pop(RDZV_ENDPOINT_VAR, None)  # not an outer job's
+    previous_id = os.environ.pop(RUN_ID_VAR, None)
     if cfg.rdzv_endpoint:  # the workers know their job's rendezvous (ddpkit doctor's ports)
         os.environ[RDZV_ENDPOINT_VAR] = cfg.rdzv_endpoint
+        os.environ[RUN_ID_VAR] = cfg.rdzv_id or "ddpkit"  # as given (torchrun's has the count)
     if not cfg.verbose:
         _quiet_agent_logs()
     previous_pid = os.environ.get(LAUNCHER_PID_VAR)
@@ -320,7 +324,7 @@ def run(cfg: RunConfig) -> int:
         raise failure from None
     finally:
         for var, previous in ((LAUNCHER_PID_VAR, previous_pid),
-                              (RDZV_ENDPOINT_VAR, previous_endpoint)):
+                              (RDZV_ENDPOINT_VAR, previous_endpoint), (RUN_ID_VAR, previous_id)):
             if previous is None:
                 os.environ.pop(var, None)
             else:
@@ -330,6 +334,8 @@ def run(cfg: RunConfig) -> int:
 
 #: The rendezvous endpoint of the job a worker belongs to, as ``ddpkit run`` was given it.
 RDZV_ENDPOINT_VAR = "DDPKIT_RDZV_ENDPOINT"
+#: The job's ``--rdzv-id`` as given (torchrun's run id also carries the node count).
+RUN_ID_VAR = "DDPKIT_RUN_ID"
 
 
 def _parse(parser: Any, argv: List[str]) -> Any:
