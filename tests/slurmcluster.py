@@ -118,8 +118,10 @@ class SlurmCluster:
     """
 
     def __init__(self, nodes: int = 2, workdir: Optional[os.PathLike] = None,
-                 cpus: int = 16, resolvable: bool = True) -> None:
+                 cpus: int = 16, resolvable: bool = True, slurmd_timeout: int = 60) -> None:
         self.nodes, self.cpus = nodes, cpus
+        #: Seconds before slurmctld declares a silent node DOWN (a lost node's step ends then).
+        self.slurmd_timeout = slurmd_timeout
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="ddpk-slurm-")).resolve()
         #: A path every node has, each with its own contents (like /tmp or a scratch disk).
@@ -214,7 +216,7 @@ class SlurmCluster:
             # `cpus` per node whatever the machine has: small jobs run side by side.
             "SlurmdParameters=config_overrides",
             "ReturnToService=2", "MinJobAge=3600", "KillWait=10", "InactiveLimit=0",
-            "SlurmdTimeout=60", "SlurmctldTimeout=60", "MessageTimeout=20",
+            f"SlurmdTimeout={self.slurmd_timeout}", "SlurmctldTimeout=60", "MessageTimeout=20",
             *nodes,
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         ]

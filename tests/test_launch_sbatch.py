@@ -169,3 +169,18 @@ def test_the_rendered_port_is_the_one_the_library_derives_from_the_job_id(job_id
     res = subprocess.run(["bash", "-c", f"echo {PORT_FROM_JOB_ID}"], capture_output=True,
                          text=True, env={"SLURM_JOB_ID": job_id}, timeout=30)
     assert int(res.stdout) == port_from_job_id(job_id)
+
+
+def test_an_elastic_script_keeps_the_job_and_step_when_a_node_fails():
+    text = render_sbatch(3, 0, "train.py", ["--epochs", "2"], min_nodes=2, requeue_grace=None)
+    assert "#SBATCH --no-kill" in text
+    assert ('srun --no-kill --kill-on-bad-exit=0 ddpkit run --nnodes 2:"$SLURM_NNODES" --nproc 1 '
+            '--rdzv-endpoint "$head_node:$port"') in text
+    assert "--no-kill" not in render_sbatch(3, 0, "train.py", requeue_grace=None)
+
+
+@pytest.mark.parametrize("min_nodes, message", [(3, "--min-nodes 3 must be smaller than --nodes 3"),
+                                                (0, "min_nodes")])
+def test_an_elastic_script_needs_fewer_min_nodes_than_nodes(min_nodes, message):
+    with pytest.raises(ConfigError, match=message):
+        render_sbatch(3, 0, "train.py", min_nodes=min_nodes)

@@ -350,3 +350,29 @@ def test_node_names_that_do_not_resolve_are_one_line_each_way(tmp_path):
         assert info.state == "FAILED" and "Traceback" not in log, log[-3000:]
         assert [line for line in error_lines(log)] and all(
             "rendezvous host 'node1' does not resolve" in line for line in error_lines(log)), log
+
+
+# ----------------------------------------------------------------------------- elastic
+
+def test_an_elastic_job_that_loses_a_node_goes_on_with_the_others(tmp_path):
+    """`ddpkit slurm --min-nodes 1` on 2 nodes; node2 dies (slurmd, its task, its worker: kill -9
+    of everything in the node): the job goes on with node1 from the newest checkpoint, every
+    sample once, and ends COMPLETED. Its own cluster: a node is lost for good here."""
+    with SlurmCluster(2, workdir=tmp_path / "slurm", slurmd_timeout=10) as s:
+        text = render("--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "0", "--no-requeue",
+                      SLOW_JOB, "--out", "@OUT@", "--step-sleep", "0.3", "--epochs", "3",
+                      "--timeout-s", "10")
+        assert "#SBATCH --no-kill" in text and "--nnodes 1:\"$SLURM_NNODES\"" in text
+        job = Job(s, tmp_path, "elastic", text)
+        wait_for(lambda: len(rounds(job.out).get(0, ())) >= 8, 180, "7 steps on 2 nodes")
+        s.net.kill(1)  # node2 is gone: slurmd and everything it started
+        info = job.wait(240)
+        log = job.output()
+        assert info.state == "COMPLETED", log[-3000:]
+        assert "node node2 (10.213.0.2) left; 1 node goes on (node1 (10.213.0.1))" in log, log
+        assert "on 1 processes (the checkpoint was written by 2); each batch still spans 8 " \
+               "samples: 8 a rank, was 4" in log, log
+        assert "srun: error: Node failure on node2" in log  # Slurm saw the node go
+    final = torch.load(job.out / "final.pt", weights_only=True)
+    assert final["step"] == 3 * resume_script.SAMPLES // 8
+    assert_every_sample_once(str(job.out), 3)

@@ -20,6 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Render an sbatch script that runs SCRIPT with ddpkit run "
                                    "(srun + torchrun c10d rendezvous) on every node.")
     p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--min-nodes", type=int, default=None, metavar="MIN",
+                   help="elastic: go on while at least MIN of the nodes remain (#SBATCH "
+                        "--no-kill, ddpkit run --nnodes MIN:$SLURM_NNODES)")
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--job-name", default="ddpkit")
     p.add_argument("--time", default="01:00:00")
@@ -45,5 +48,5 @@ def _cmd_slurm(ns: argparse.Namespace) -> int:
                         job_name=ns.job_name, time=ns.time, partition=ns.partition,
                         cpus_per_task=ns.cpus_per_task, port=ns.port,
                         rdzv_timeout=ns.rdzv_timeout, max_restarts=ns.max_restarts or 0,
-                        requeue_grace=ns.requeue_grace), end="")
+                        requeue_grace=ns.requeue_grace, min_nodes=ns.min_nodes), end="")
     return 0

@@ -73,6 +73,7 @@ def render_sbatch(
     rdzv_timeout: float | None = None,
     max_restarts: int = 0,
     requeue_grace: int | None = DEFAULT_REQUEUE_GRACE,
+    min_nodes: int | None = None,
 ) -> str:
     """Render an sbatch script running ``ddpkit run`` on ``nodes`` x ``gpus_per_node``.
 
@@ -83,7 +84,9 @@ def render_sbatch(
     after a worker dies (the script resumes from its checkpoints). ``requeue_grace``: Slurm
     sends SIGUSR1 that many seconds before the time limit or a preemption; every rank finishes
     its step and saves a checkpoint (:mod:`ddpkit.stops`), and the job requeues itself, to
-    resume from it (``None``: no signal, no requeue).
+    resume from it (``None``: no signal, no requeue). ``min_nodes``: elastic, the job goes on
+    while that many nodes remain (``--no-kill``, ``--nnodes MIN:$SLURM_NNODES``; a lost node's
+    task does not end the step).
 
     Example::
 
@@ -95,6 +98,11 @@ def render_sbatch(
                                      isinstance(rdzv_timeout, (int, float)) or rdzv_timeout < 1):
         raise ConfigError(f"bad rdzv_timeout={rdzv_timeout!r}; it must be a number of seconds >= 1")
     _check_int("max_restarts", max_restarts, 0)
+    if min_nodes is not None:
+        _check_int("min_nodes", min_nodes, 1)
+        if min_nodes >= nodes:
+            raise ConfigError(f"--min-nodes {min_nodes} must be smaller than --nodes {nodes} "
+                              "(the job goes on while at least that many nodes remain)")
     if requeue_grace is not None:
         _check_int("requeue_grace", requeue_grace, 1)
     _check_directive("job_name", job_name)
@@ -116,6 +124,8 @@ def render_sbatch(
         # append: a requeued run adds to the log instead of replacing the preempted one's.
         lines += [f"#SBATCH --signal=B:USR1@{requeue_grace}", "#SBATCH --requeue",
                   "#SBATCH --open-mode=append"]
+    if min_nodes is not None:  # a node that fails does not end the allocation
+        lines += ["#SBATCH --no-kill"]
     lines += [_directive(line) for line in extra_sbatch]
     command = " ".join(shlex.quote(arg) for arg in [script, *script_args])
     options = (f" --rdzv-timeout {rdzv_timeout:g}" if rdzv_timeout is not None else "") + \
@@ -131,7 +141,10 @@ def render_sbatch(
         "",
         "# One launcher per node; node ranks come from the rendezvous.",
     ]
-    srun = (f'srun ddpkit run --nnodes "$SLURM_NNODES" --nproc {nproc} '
+    # elastic: a lost node's task leaves the others running; they go on with the nodes left
+    launch = ("srun ddpkit run --nnodes \"$SLURM_NNODES\"" if min_nodes is None else
+              f"srun --no-kill --kill-on-bad-exit=0 ddpkit run --nnodes {min_nodes}:\"$SLURM_NNODES\"")
+    srun = (f'{launch} --nproc {nproc} '
             f'--rdzv-endpoint "$head_node:$port" --rdzv-id "$SLURM_JOB_ID"{options} {command}')
     lines += [srun] if requeue_grace is None else _requeue(srun, requeue_grace)
     return "\n".join(lines) + "\n"
