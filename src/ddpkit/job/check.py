@@ -20,8 +20,8 @@ from .datasets import ON_DISK, available_datasets, dataset_key
 from .disk_datasets import require_pil
 from .models import LANGUAGE_MODELS, available_models, is_torchvision, model_key
 
-__all__ = ["check_config", "check_every_world", "micro_batch_size", "check_batch_fits", "known_train_size",
-           "check_resume"]
+__all__ = ["check_config", "check_every_world", "micro_batch_size", "check_batch_fits",
+           "known_train_size", "check_resume"]
 
 
 def micro_batch_size(cfg: TrainConfig, world_size: int, samples: Optional[int] = None) -> int:
@@ -70,9 +70,7 @@ def check_every_world(cfg: TrainConfig, nproc: int, least: int, most: int,
 
         check_every_world(TrainConfig(batch_size=8), nproc=1, least=2, most=3)   # ConfigError
     """
-    unit = cfg.accum_steps
-    for nodes in range(least, most + 1):
-        unit = math.lcm(unit, nodes * nproc * cfg.accum_steps)
+    unit = math.lcm(*(nodes * nproc * cfg.accum_steps for nodes in range(least, most + 1)))
     for nodes in range(least, most + 1):
         try:
             micro_batch_size(cfg, nodes * nproc, samples)

@@ -74,7 +74,7 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
     launch = launch or RunConfig(WORKER)
     # a restarted worker must pick up its work; an elastic group also restarts to grow
     if (launch.restarts or launch.elastic) and not cfg.resume:
-        cfg = dataclasses.replace(cfg, resume="auto")  # a restarted worker must pick up its work
+        cfg = dataclasses.replace(cfg, resume="auto")
     # Already a worker of a launcher (torchrun)? Not Slurm's batch script, which starts its own.
     inside = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     gpus = torch.cuda.device_count() if cfg.accelerator != "cpu" else 0

@@ -40,7 +40,7 @@ def membership_line(before: Optional[Sequence[str]], now: Sequence[str], spec: s
         said.append(f"node{'s' if len(left) > 1 else ''} {', '.join(left)} left")
     if joined:
         said.append(f"node{'s' if len(joined) > 1 else ''} {', '.join(joined)} joined")
-    change = "; ".join(said) if said else "the same nodes meet again"  # (not printed)
+    change = "; ".join(said) if said else "the same nodes meet again"
     goes = f"{len(now)} nodes go on" if len(now) != 1 else "1 node goes on"
     return f"{change}; {goes} ({names}) of --nnodes {spec}"
 
