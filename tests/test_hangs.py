@@ -1,14 +1,17 @@
 """Tests for ddpkit.hangs: the step a hang report names, counted from a script's own optimizers."""
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
 import time
 
 import pytest
 import torch
 import torch.distributed as tdist
 
-from ddpkit.hangs import Progress
+from ddpkit.hangs import Progress, _frames_to_show, python_stack
 
 CLEAN = {k: v for k, v in os.environ.items()
          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -144,3 +147,62 @@ def test_a_hang_in_a_scripts_own_loop_names_the_last_finished_step(tmp_path):
     assert len(stuck) == 1 and stuck[0].startswith("  rank 1 did not arrive (pid "), res.stderr
     assert "last finished step 3)" in stuck[0], res.stderr
     assert "no step finished" not in res.stderr
+
+
+def _frame(name, path, short, line):
+    return (name, path, short, line)
+
+
+def test_a_stack_stopped_deep_in_torch_and_contextlib_is_shown_down_to_the_callers_frame():
+    # The shape of a rank stopped inside DDP's forward (seen in CI): torch's frames, a
+    # contextlib frame between them, then ddpkit's and the script's.
+    stdlib = sysconfig.get_paths()["stdlib"]
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    t = lambda rel: (os.path.join(site, rel), rel)                           # noqa: E731
+    stack = [_frame("inner", *t("torch/_dynamo/external_utils.py"), 68),
+             _frame("_fn", *t("torch/_dynamo/eval_frame.py"), 929),
+             _frame("inner", os.path.join(stdlib, "contextlib.py"), "contextlib.py", 81),
+             _frame("_run_ddp_forward", *t("torch/nn/parallel/distributed.py"), 1500),
+             _frame("forward", *t("torch/nn/parallel/distributed.py"), 1680),
+             _frame("_call_impl", *t("torch/nn/modules/module.py"), 1786),
+             _frame("_wrapped_call_impl", *t("torch/nn/modules/module.py"), 1775),
+             _frame("_train_step", *t("ddpkit/job/train.py"), 210),
+             _frame("fit", *t("ddpkit/job/train.py"), 300),
+             _frame("main", "/home/me/train.py", "train.py", 40),
+             _frame("<module>", "/home/me/train.py", "train.py", 44)]
+    frozen = [_frame("ABCMeta.__instancecheck__", "<frozen abc>", "<frozen abc>", 119),
+              _frame("collate", *t("torch/utils/data/_utils/collate.py"), 202)]
+    shown = _frames_to_show(frozen + stack)[len(frozen):]
+    assert shown == [f"{name} ({short}:{line})" for name, _, short, line in stack[:9]]
+    assert shown[-2] == "_train_step (ddpkit/job/train.py:210)"
+    # a script that shares a name with a standard module is still the script's
+    mine = [_frame("wait", "/home/me/contextlib.py", "contextlib.py", 3),
+            _frame("main", "/home/me/train.py", "train.py", 9)]
+    assert _frames_to_show(mine, frames=1) == ["wait (contextlib.py:3)", "main (train.py:9)"]
+
+
+STOPPED = """import contextlib, time, torch
+class Net(torch.nn.Module):
+    def forward(self, x):
+        with contextlib.nullcontext():
+            print("in", flush=True)
+            time.sleep(120)
+Net()(torch.ones(1))
+"""
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None and not os.access(
+    os.path.join(os.path.dirname(sys.executable), "py-spy"), os.X_OK), reason="needs py-spy")
+def test_the_stack_of_a_stopped_process_is_read(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(STOPPED)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "in\n"
+        os.kill(proc.pid, signal.SIGSTOP)
+        stack = python_stack(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert stack is not None and stack[0] == "Net.forward (stuck.py:6)", stack
+    assert stack[-1] == "<module> (stuck.py:7)", stack

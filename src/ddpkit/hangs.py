@@ -9,9 +9,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sysconfig
 import time
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["Progress", "python_stack"]
 
@@ -191,8 +192,9 @@ def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def python_stack(pid: int, frames: int = 6, timeout: float = 10.0) -> Optional[List[str]]:
     """The innermost frames of process ``pid``'s main thread (``py-spy dump``): at least
-    ``frames``, and down to the first frame outside torch; None when py-spy is missing or
-    cannot read it.
+    ``frames``, and down to the first frame in neither torch nor Python's standard library (the
+    script's or ddpkit's call into them) and one more; None when py-spy is missing or cannot
+    read it.
 
     Example::
 
@@ -203,22 +205,36 @@ def python_stack(pid: int, frames: int = 6, timeout: float = 10.0) -> Optional[L
         return None
     try:
         # --nonblocking: reads a stopped process too, and never pauses a running one
-        out = subprocess.run([tool, "dump", "--nonblocking", "--pid", str(pid)],
+        out = subprocess.run([tool, "dump", "--nonblocking", "--json", "--pid", str(pid)],
                              capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.SubprocessError):
+        threads = json.loads(out.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
         return None
-    lines, in_main = [], False
-    for line in out.stdout.splitlines():
-        if line.startswith("Thread "):  # the main thread's id is the pid
-            in_main = "MainThread" in line or line.startswith(f"Thread {pid} ")
-        elif in_main and line.startswith("    "):
-            lines.append(line.strip())
-    if not lines:
+    main = [t for t in threads if t.get("thread_name") == "MainThread"
+            or t.get("os_thread_id") == pid]
+    if not main:
         return None
-    # Innermost first, down to the first frame outside torch (where the script or ddpkit called
-    # in) and one more: a stack that ends in DDP's internals alone says little.
-    outside = next((i for i, f in enumerate(lines) if "(torch/" not in f), len(lines) - 1)
-    return lines[:min(max(frames, outside + 2), 16)]
+    return _frames_to_show([(f["name"], f["filename"], f["short_filename"], f["line"])
+                            for f in main[0]["frames"]], frames)
+
+
+def _frames_to_show(stack: List[Tuple[str, str, str, int]], frames: int = 6) -> List[str]:
+    """``name (short file:line)`` for the innermost frames of ``stack`` (innermost first): at
+    least ``frames``, down to the first frame outside torch and the standard library and one
+    more, 24 at most. A stop inside DDP's forward is often several torch and contextlib frames
+    deep; a stack that ends there says little."""
+    stdlib = tuple(os.path.join(os.path.realpath(sysconfig.get_paths()[k]), "")
+                   for k in ("stdlib", "platstdlib"))
+
+    def ours(filename: str, short: str) -> bool:
+        real = os.path.realpath(filename)
+        return not (short.startswith("torch/") or filename.startswith("<frozen ")
+                    or (real.startswith(stdlib) and "-packages" + os.sep not in real))
+
+    outside = next((i for i, (_, path, short, _) in enumerate(stack) if ours(path, short)),
+                   len(stack) - 1)
+    return [f"{name} ({short}:{line})"
+            for name, _, short, line in stack[:min(max(frames, outside + 2), 24)]]
 
 
 def _next_to_python(name: str) -> Optional[str]:
