@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from .errors import ConfigError, JobSetupError
+from .k8s_env import PodLaunch, pod_launch
 from .slurm_env import (first_host, parse_tasks_per_node, port_from_job_id, step_id,
                         step_tasks_per_node)
 
@@ -44,7 +45,7 @@ class ClusterEnv:
     node_rank: int = 0
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
-    launcher: str = "single"  # torchrun | slurm | spawn | single
+    launcher: str = "single"  # torchrun | slurm | kubernetes | spawn | single
     restart_count: int = 0
     job_id: Optional[str] = None
     #: torchrun workers reuse the agent's rendezvous store (TORCHELASTIC_USE_AGENT_STORE=True);
@@ -206,12 +207,32 @@ def _from_slurm(environ: Mapping[str, str]) -> ClusterEnv:
                       nodes=_int(environ, "SLURM_STEP_NUM_NODES", _int(environ, "SLURM_NNODES")))
 
 
+def _from_pod(pod: PodLaunch) -> ClusterEnv:
+    # A bare `python train.py` as the pod's command: one process, so one per node.
+    if pod.nproc not in (None, "1"):
+        raise JobSetupError(f"this pod runs one process, but PET_NPROC_PER_NODE={pod.nproc} "
+                            "asks for that many on every node: start the script with `ddpkit "
+                            "run train.py` (it reads PET_*), or set numProcPerNode: 1")
+    try:
+        nodes = int(pod.nnodes or "1")
+    except ValueError:
+        raise JobSetupError(f"PET_NNODES={pod.nnodes} (a range) needs an elastic launcher: start "
+                            "the script with `ddpkit run train.py`") from None
+    if nodes > 1 and not pod.endpoint:
+        raise ConfigError("the pod sets PET_NNODES but not PET_MASTER_ADDR and PET_MASTER_PORT: "
+                          "cannot find the master; render the job with `ddpkit k8s`")
+    return ClusterEnv(rank=pod.node_rank or 0, world_size=nodes, node_rank=pod.node_rank or 0,
+                      master_addr=pod.master_addr, master_port=pod.master_port,
+                      launcher="kubernetes", nodes=nodes)
+
+
 def detect(environ: Mapping[str, str], argv: Sequence[str] = (),
            expected_world_size: Optional[int] = None) -> ClusterEnv:
     """Detect the launcher from environment variables and return a validated :class:`ClusterEnv`.
 
     torchrun / ``torch.distributed.launch`` (``RANK`` + ``WORLD_SIZE``) wins over Slurm, because
-    ``srun ddpkit run ...`` sets both and torchrun's variables describe the real workers.
+    ``srun ddpkit run ...`` sets both and torchrun's variables describe the real workers. In a
+    Kubernetes pod of Kubeflow Trainer's torch runtime (``PET_*``) a bare process is its node.
     ``expected_world_size`` (for example the number of devices asked for) must match what the
     launcher started, which catches the classic Slurm mistake of one task per node for N GPUs.
 
@@ -225,6 +246,8 @@ def detect(environ: Mapping[str, str], argv: Sequence[str] = (),
         env = _from_torchrun(environ, argv)
     elif _in_slurm_step(environ):
         env = _from_slurm(environ)
+    elif (pod := pod_launch(environ)) is not None and pod.source == "PET_*":
+        env = _from_pod(pod)
     else:
         legacy = _legacy_local_rank(argv)
         env = ClusterEnv(local_rank=legacy or 0, local_world_size=(legacy or 0) + 1)

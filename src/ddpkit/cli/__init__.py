@@ -1,4 +1,4 @@
-"""The ``ddpkit`` command: one parser per subcommand (run, train, bench, slurm), each a thin
+"""The ``ddpkit`` command: one parser per subcommand (run, train, bench, slurm, k8s, ...), each a thin
 layer over the library function that does the work.
 
 User errors (:class:`~ddpkit.errors.DDPKitError`) print as one ``error:`` line and exit 2.
@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from ..errors import DDPKitError, JobSetupError
 from ..launch.srun import is_first_task
-from . import bench, ckpt, doctor, plan, run, slurm, train, verify
+from . import bench, ckpt, doctor, k8s, plan, run, slurm, train, verify
 
 __all__ = ["main", "entry", "build_parser"]
 
@@ -27,10 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="ddpkit", description="Data-parallel PyTorch training done right: run a script on N "
-                                   "processes, train the built-in job, measure, render sbatch.")
+                                   "processes, train the built-in job, measure, render sbatch or Kubernetes YAML.")
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (run, train, verify, doctor, plan, slurm, bench, ckpt):
+    for command in (run, train, verify, doctor, plan, slurm, k8s, bench, ckpt):
         command.add_parser(sub)
     return parser
 

@@ -4,20 +4,24 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
+from ..k8s_env import pod_launch
 from ..launch.torchrun import RunConfig
 
-__all__ = ["add_launch_flags", "run_config", "parse_nnodes"]
+__all__ = ["add_launch_flags", "run_config", "parse_nnodes", "from_pod"]
 
 # (flags, argparse keywords): the RunConfig field is the dest.
 _LAUNCH_FLAGS = (
-    (("--nnodes",), dict(default="1", metavar="N|MIN:MAX",
-                         help="number of nodes (default 1), or MIN:MAX for an elastic job that "
-                              "goes on while at least MIN nodes remain and grows back to MAX")),
-    (("--node-rank",), dict(type=int, default=0,
-                            help="this node's rank (static rendezvous with --master-addr)")),
+    (("--nnodes",), dict(default=None, metavar="N|MIN:MAX",
+                         help="number of nodes (default 1, or a pod's PET_NNODES), or MIN:MAX "
+                              "for an elastic job that goes on while at least MIN nodes remain "
+                              "and grows back to MAX")),
+    (("--node-rank",), dict(type=int, default=None,
+                            help="this node's rank (static rendezvous with --master-addr; "
+                                 "default 0, or a pod's PET_NODE_RANK / JOB_COMPLETION_INDEX)")),
     (("--master-addr",), dict(help="address of node 0 (static rendezvous)")),
     (("--master-port",), dict(type=int, help="port on node 0 (default: a free one)")),
     (("--rdzv-endpoint",), dict(help="HOST:PORT of the c10d rendezvous (multi-node, elastic)")),
@@ -70,11 +74,33 @@ def run_config(ns: argparse.Namespace, script: str, script_args: Optional[List[s
     """
     values = {name: getattr(ns, name, None) for name in _FIELDS}
     values = {name: value for name, value in values.items() if value is not None}
-    values.update(fields)
+    values.update({k: v for k, v in fields.items() if v is not None})
+    values = from_pod(values, os.environ)
     if "nnodes" in values:
         values["min_nodes"], values["nnodes"] = parse_nnodes(values["nnodes"])
     _check_ranges(values)
     return RunConfig(script=script, script_args=list(script_args or []), **values)
+
+
+def from_pod(values: Dict[str, Any], environ: Mapping[str, str]) -> Dict[str, Any]:
+    """``values`` with what a Kubernetes pod says filled in where no flag was given: Kubeflow
+    Trainer's ``PET_*`` (nodes, processes, node rank; its master as the c10d rendezvous
+    endpoint) or an Indexed Job's ``JOB_COMPLETION_INDEX`` (the node rank).
+
+    Example::
+
+        from_pod({}, {"PET_NNODES": "2", "PET_MASTER_ADDR": "j-node-0-0.j",
+                      "PET_MASTER_PORT": "29500"})
+        # {'nnodes': '2', 'rdzv_endpoint': 'j-node-0-0.j:29500'}
+    """
+    pod = pod_launch(environ)
+    if pod is None:
+        return values
+    said = {"nnodes": pod.nnodes, "nproc": pod.nproc, "node_rank": pod.node_rank,
+            "rdzv_endpoint": pod.endpoint}
+    if values.get("master_addr") or values.get("rdzv_endpoint"):
+        said.pop("rdzv_endpoint")  # a meeting point given on the command line wins whole
+    return {**{k: v for k, v in said.items() if v is not None}, **values}
 
 
 def parse_nnodes(text: Any) -> Tuple[Optional[int], int]:

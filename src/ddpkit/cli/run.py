@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="launch a script on N processes (torchrun underneath)",
                        description="Launch SCRIPT on --nproc processes per node with torchrun's "
                                    "elastic agent. On one node a free port is picked.")
-    p.add_argument("--nproc", default="1", help="processes per node, or 'auto' (default 1)")
+    p.add_argument("--nproc", default=None,
+                   help="processes per node, or 'auto' (default 1, or a pod's PET_NPROC_PER_NODE)")
     add_launch_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", nargs="?", help="the training script (or module with -m)")

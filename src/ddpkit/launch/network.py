@@ -86,6 +86,35 @@ def resolve(host: str) -> str:
     return str(infos[0][4][0])
 
 
+def wait_resolvable(host: str, timeout: float, say: Callable[[str], None],
+                    lookup: Optional[Callable[[str], str]] = None) -> str:
+    """Resolve ``host``, waiting up to ``timeout`` s for it to appear: in Kubernetes a pod's
+    DNS name (``job-0.svc``) exists only once that pod has started, minutes after the others
+    may have. Says once that it waits; a :class:`ConfigError` line if it never resolves.
+
+    Example::
+
+        wait_resolvable("train-0.train", 600, print)   # '10.4.2.17'
+    """
+    lookup = lookup or resolve
+    start, said = time.monotonic(), False
+    while True:
+        try:
+            return lookup(host)
+        except ConfigError:
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                raise ConfigError(f"rendezvous host {host!r} did not resolve within "
+                                  f"{timeout:.0f} s: its pod never started (kubectl get pods; "
+                                  "kubectl describe pod), or the headless Service's name is "
+                                  "not the pods' subdomain") from None
+            if not said:
+                say(f"ddpkit run: waiting up to {timeout:.0f} s for the rendezvous host {host} "
+                    "to resolve (its pod has not started yet)")
+                said = True
+            time.sleep(min(1.0, max(0.05, timeout - waited)))
+
+
 def parse_route_get(text: str) -> Optional[Route]:
     """The route in ``ip -o route get ADDR`` output, or None if there is none.
 

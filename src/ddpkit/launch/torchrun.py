@@ -16,6 +16,7 @@ import torch
 
 from ..crash import LAUNCHER_PID_VAR
 from ..errors import ConfigError
+from ..k8s_env import pod_launch
 from ..stops import STOP_SIGNALS, signal_name
 from . import elastic, network as net, restarts, srun, watchdog
 from .network import port_in_use
@@ -27,15 +28,24 @@ AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def resolve_nproc(nproc: str | int, cuda_count: Optional[int] = None) -> int:
-    """``auto`` means one process per GPU, or one per CPU core without GPUs.
+    """``auto`` means one process per GPU, or one per CPU core without GPUs; ``gpu`` and
+    ``cpu`` (torchrun's, as Kubeflow Trainer may set them) one per GPU, one per core.
 
     Example::
 
         resolve_nproc("auto")   # 2 on a 2-core CPU machine
     """
+    count = torch.cuda.device_count() if cuda_count is None and str(nproc) in ("auto", "gpu") \
+        else cuda_count
     if str(nproc) == "auto":
-        count = torch.cuda.device_count() if cuda_count is None else cuda_count
         return count or (os.cpu_count() or 1)
+    if str(nproc) == "cpu":
+        return os.cpu_count() or 1
+    if str(nproc) == "gpu":
+        if not count:
+            raise ConfigError("--nproc gpu (PET_NPROC_PER_NODE=gpu) but no CUDA GPU is visible "
+                              "here: ask the pod for nvidia.com/gpu, or use auto")
+        return count
     try:
         value = int(nproc)
     except ValueError:
@@ -239,6 +249,9 @@ def _network(cfg: RunConfig) -> Tuple[List[str], net.NodeNetwork]:
         _static_checks(cfg)
         return (["--rdzv-conf", f"timeout={int(cfg.rdzv_timeout)}"] if cfg.rdzv_timeout
                 else []), given
+    if pod_launch(os.environ) is not None:  # a pod: the endpoint's pod may start later
+        net.wait_resolvable(net.split_endpoint(cfg.rdzv_endpoint)[0], cfg.rdzv_timeout or 600.0,
+                            lambda line: print(line, file=sys.stderr, flush=True))
     plan = net.node_network(cfg.rdzv_endpoint, cfg.iface)
     # A fresh store per rendezvous round (served by worker rank 0): no stale keys after a
     # restart, whatever each node's restart count (see ddpkit.dist).
