@@ -14,7 +14,7 @@ from ddpkit.job.config import TrainConfig
 from ddpkit.launch import elastic
 from ddpkit.launch.restarts import _peer_loss
 from ddpkit.launch.torchrun import RunConfig
-from ddpkit.resume_notes import cadence_line, restarts_allowed, world_change_line
+from ddpkit.resume_notes import cadence_line, grace_line, restarts_allowed, world_change_line
 
 from test_launch_network import _cfg, fake_torchrun  # noqa: F401 (a fixture)
 
@@ -173,6 +173,20 @@ def test_the_cadence_line_says_half_the_interval_and_the_save_time():
     assert "only epoch ends save" in cadence_line(0, 0.0, 0.5, 0.1)
     assert restarts_allowed({"TORCHELASTIC_MAX_RESTARTS": "3"})
     assert not restarts_allowed({}) and not restarts_allowed({"TORCHELASTIC_MAX_RESTARTS": "x"})
+
+
+def test_the_grace_line_warns_when_a_stop_cannot_end_in_a_checkpoint():
+    window = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"}
+    # a stop finishes the step under way and the next, then saves: 2 x 10 s + 8 s = 28 s fits
+    assert grace_line(10.0, 8.0, window) is None
+    line = grace_line(20.0, 15.0, window)
+    assert "\n" not in line and line.startswith(
+        "warning: a stop (SIGTERM: an eviction, a preemption) needs up to 55.0 s here")
+    assert "the launcher kills the workers 30 s after it" in line
+    assert "ddpkit k8s --grace-period 120" in line and "ddpkit slurm --requeue-grace 140" in line
+    # no window set (a plain torchrun, no launcher): nothing to compare against
+    assert grace_line(20.0, 15.0, {}) is None
+    assert grace_line(20.0, 15.0, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}) is None
 
 
 def test_an_elastic_job_checks_its_global_batch_on_every_node_count():

@@ -130,3 +130,21 @@ def test_writer_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert found is not None
     path, state = found
     assert path.name == "ckpt-000000001.pt" and torch.equal(state["w"], torch.ones(4))
+def test_a_run_says_once_that_its_grace_period_is_too_short(tmp_path):
+    """The first timed save measures a step and the save: a window shorter than a stop needs is
+    one warning line, once, and the run goes on to the end."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0.001"}
+    res = subprocess.run([sys.executable, os.path.join(HERE, "resume_script.py"),
+                          "--out", str(tmp_path), "--epochs", "1"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    warned = [line for line in (res.stdout + res.stderr).splitlines()
+              if "but the launcher kills the workers 0.001 s after it" in line]
+    assert len(warned) == 1, res.stdout + res.stderr
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "600"
+    (tmp_path / "long").mkdir()
+    res = subprocess.run([sys.executable, os.path.join(HERE, "resume_script.py"),
+                          "--out", str(tmp_path / "long"), "--epochs", "1"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "launcher kills" not in res.stdout + res.stderr

@@ -19,7 +19,7 @@ from .checkpoint import (check_compatible, check_optimizer_compatible, checkpoin
                          checkpoint_name, load_checkpoint, resolve_resume, save_checkpoint)
 from .ckpt_compat import plain_state
 from .errors import ConfigError
-from .resume_notes import cadence_line, restarts_allowed, world_change_line
+from .resume_notes import cadence_line, grace_line, restarts_allowed, world_change_line
 from .seed import rng_state, set_rng_state
 from .shared_dir import check_shared
 from .sharded import is_sharded, load_full_state, load_shards, remove_shards, save_shards
@@ -236,11 +236,14 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self.last_saved, self.saved_step = path, self.global_step
         measured = self.global_step - self._first_step  # steps timed since this process began
-        if not self._cadence_said and measured > 0 and restarts_allowed():
+        if not self._cadence_said and measured > 0:   # said once, after the first timed save
             self._cadence_said = True
-            per_step = (began - self._started) / measured
-            comm.print0(cadence_line(self.every_steps, self.every_minutes, per_step,
-                                     self._last_save_time - began))
+            per_step, save_s = (began - self._started) / measured, self._last_save_time - began
+            if restarts_allowed():
+                comm.print0(cadence_line(self.every_steps, self.every_minutes, per_step, save_s))
+            warning = grace_line(per_step, save_s)
+            if warning:
+                comm.print0(warning)
         return path
 
     def state_dict(self, shards: Optional[str] = None) -> Dict[str, Any]:

@@ -1,17 +1,19 @@
 """What a checkpointer tells the user about surviving failures: a resume on another number of
 processes (an elastic job that shrank or grew: the global batch kept and how it is split now,
-what differs), and what a failure costs at this checkpoint cadence. Used by :mod:`.resume`.
+what differs), what a failure costs at this checkpoint cadence, and whether a stop can end in a
+checkpoint within the launcher's window. Used by :mod:`.resume`.
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from torch import nn
 
 from .wrap import unwrap
 
-__all__ = ["world_change_line", "cadence_line", "restarts_allowed"]
+__all__ = ["world_change_line", "cadence_line", "grace_line", "restarts_allowed"]
 
 
 def restarts_allowed(environ: Mapping[str, str] = os.environ) -> bool:
@@ -20,6 +22,33 @@ def restarts_allowed(environ: Mapping[str, str] = os.environ) -> bool:
         return int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
     except ValueError:
         return False
+
+
+def grace_line(step_s: float, save_s: float,
+               environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """A warning when a stop cannot end in a checkpoint: after SIGTERM (an eviction, a
+    preemption) the ranks finish the step under way and the next at most, then save; the
+    launcher kills them after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s (set by ``ddpkit k8s`` and
+    ``ddpkit slurm`` from the grace period). None when it fits or nothing set a window.
+
+    Example::
+
+        grace_line(20.0, 15.0, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})   # 'a stop ... needs 55 s'
+    """
+    try:
+        window = float(environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    except (KeyError, ValueError):
+        return None
+    need = 2 * step_s + save_s
+    if need <= window:
+        return None
+    grace = int(math.ceil(2 * need)) + 10
+    return (f"warning: a stop (SIGTERM: an eviction, a preemption) needs up to {need:.1f} s here "
+            f"(the step under way and the next, {step_s:.2f} s each, then a checkpoint save, "
+            f"{save_s:.2f} s), but the launcher kills the workers {window:g} s after it "
+            "(TORCH_ELASTIC_SHUTDOWN_TIMEOUT): they would die before the checkpoint is written; "
+            f"give the job a longer grace period (ddpkit k8s --grace-period {grace}, ddpkit "
+            f"slurm --requeue-grace {grace + 20})")
 
 
 def cadence_line(every_steps: int, every_minutes: float, step_s: float, save_s: float) -> str:
