@@ -30,6 +30,12 @@ BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- 
 SBATCH_ARGS = ["slurm", "--nodes", "2", "--gpus-per-node", "4", "--time", "02:00:00",
                "--rdzv-timeout", "300", "--max-restarts", "1", "train.py", "--epochs", "90"]
 
+#: The Kubernetes examples: these commands, and what they print.
+K8S_ARGS = ["k8s", "--nodes", "2", "--gpus-per-node", "8", "--image", "ghcr.io/me/train:1",
+            "--cpu", "32", "--memory", "256Gi", "--pvc", "ckpt:/ckpt", "train.py", "--epochs",
+            "90", "--out", "/ckpt/run"]
+TRAINJOB_ARGS = K8S_ARGS[:1] + ["--kind", "trainjob"] + K8S_ARGS[1:]
+
 
 def _fenced(lang: str, text: str) -> str:
     return f"```{lang}\n{text.rstrip()}\n```\n"
@@ -101,6 +107,16 @@ def _cli(args: List[str]) -> str:
 def sbatch() -> str:
     """``ddpkit slurm ...`` and the script it prints."""
     return _fenced("bash", f"$ ddpkit {' '.join(SBATCH_ARGS)}\n{_cli(SBATCH_ARGS)}")
+
+
+def k8s_indexed_job() -> str:
+    """``ddpkit k8s ...`` (an Indexed Job and its headless Service) and the YAML it prints."""
+    return _fenced("yaml", f"# $ ddpkit {' '.join(K8S_ARGS)}\n{_cli(K8S_ARGS)}")
+
+
+def k8s_trainjob() -> str:
+    """``ddpkit k8s --kind trainjob ...`` and the TrainJob it prints."""
+    return _fenced("yaml", f"# $ ddpkit {' '.join(TRAINJOB_ARGS)}\n{_cli(TRAINJOB_ARGS)}")
 
 
 def _usage(command: str) -> str:
@@ -195,7 +211,9 @@ BLOCKS: Dict[str, Callable[[], str]] = {"example-diff": example_diff, "lm-diff":
                                         "conversion-counts": conversion_counts,
                                         "runtime-api": runtime_api, "sbatch": sbatch,
                                         "run-usage": run_usage, "module-map": module_map,
-                                        "public-api": public_api}
+                                        "public-api": public_api,
+                                        "k8s-indexed-job": k8s_indexed_job,
+                                        "k8s-trainjob": k8s_trainjob}
 
 
 def render(text: str) -> str:

@@ -29,15 +29,21 @@ def grace_line(step_s: float, save_s: float,
     """A warning when a stop cannot end in a checkpoint: after SIGTERM (an eviction, a
     preemption) the ranks finish the step under way and the next at most, then save; the
     launcher kills them after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s (set by ``ddpkit k8s`` and
-    ``ddpkit slurm`` from the grace period). None when it fits or nothing set a window.
+    ``ddpkit slurm`` from the grace period; torchrun's agent waits 30 s without it). None when
+    it fits, or when no launcher runs this process.
 
     Example::
 
         grace_line(20.0, 15.0, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})   # 'a stop ... needs 55 s'
     """
+    why = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
     try:
-        window = float(environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
-    except (KeyError, ValueError):
+        window = float(environ[why])
+    except KeyError:
+        if "TORCHELASTIC_RUN_ID" not in environ:
+            return None
+        window, why = 30.0, "torchrun's default; TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets it"
+    except ValueError:
         return None
     need = 2 * step_s + save_s
     if need <= window:
@@ -46,9 +52,9 @@ def grace_line(step_s: float, save_s: float,
     return (f"warning: a stop (SIGTERM: an eviction, a preemption) needs up to {need:.1f} s here "
             f"(the step under way and the next, {step_s:.2f} s each, then a checkpoint save, "
             f"{save_s:.2f} s), but the launcher kills the workers {window:g} s after it "
-            "(TORCH_ELASTIC_SHUTDOWN_TIMEOUT): they would die before the checkpoint is written; "
-            f"give the job a longer grace period (ddpkit k8s --grace-period {grace}, ddpkit "
-            f"slurm --requeue-grace {grace + 20})")
+            f"({why}): they would die before the checkpoint is written; give the job a longer "
+            f"grace period (ddpkit k8s --grace-period {grace}, ddpkit slurm --requeue-grace "
+            f"{grace + 20}, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT={grace - 10} for ddpkit run)")
 
 
 def cadence_line(every_steps: int, every_minutes: float, step_s: float, save_s: float) -> str:

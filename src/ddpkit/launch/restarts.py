@@ -11,7 +11,7 @@ import sys
 from typing import Any, Iterator, Optional, Tuple
 
 from ..crash import PEER_LOSS_SUFFIX
-from ..stops import signal_name
+from ..stops import STOP_SIGNALS, signal_name
 
 __all__ = ["how", "first_failure", "naming_restarts"]
 
@@ -56,10 +56,22 @@ def _say_restart(agent: Any, group: Any, failed: Any) -> None:
     most = group.spec.max_restarts  # the agent has counted this restart already
     left = getattr(agent, "_remaining_restarts", None)
     count = f" (restart {most - left} of {most})" if isinstance(left, int) else ""
-    lost = _peer_loss(failure, _error_file(agent, failure))
-    what = lost if lost else f"failed ({how(failure, restarting=True)})"
+    what = (_peer_loss(failure, _error_file(agent, failure)) or _stopped_with_group(failure)
+            or f"failed ({how(failure, restarting=True)})")
     print(f"ddpkit run: rank {rank} {what}; restarting every rank{count}", file=sys.stderr,
           flush=True)
+
+
+def _stopped_with_group(failure: Any) -> Optional[str]:
+    """128 + a stop signal is ddpkit's agreed stop (ddpkit.stops): this node's agent got no
+    signal (it is restarting), so the signal reached a rank on another node, and every rank
+    saved and left with it. None for any other failure."""
+    signum = failure.exitcode - 128
+    if signum not in STOP_SIGNALS or isinstance(failure.error_file_data.get("message"), dict):
+        return None
+    return (f"stopped with the group (exit code {failure.exitcode}): {signal_name(signum)} "
+            "reached a rank on another node (an eviction, a preemption) and every rank saved "
+            "a checkpoint")
 
 
 def _error_file(agent: Any, failure: Any) -> Optional[str]:

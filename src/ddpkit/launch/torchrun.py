@@ -111,7 +111,8 @@ class RunConfig:
 ELASTIC_RESTARTS = 10
 #: Elastic: seconds to wait for more nodes once MIN have joined (torchrun's own default: 30).
 LAST_CALL_S = 10.0
-#: Elastic: seconds between a node's rendezvous heartbeats; 3 missed and it is gone (torch: 5).
+#: With restarts: seconds between a node's rendezvous heartbeats; 3 missed and it is gone
+#: (torch: 5).
 KEEP_ALIVE_S = 2
 
 
@@ -256,10 +257,13 @@ def _network(cfg: RunConfig) -> Tuple[List[str], net.NodeNetwork]:
     # A fresh store per rendezvous round (served by worker rank 0): no stale keys after a
     # restart, whatever each node's restart count (see ddpkit.dist).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    conf = {}
-    if cfg.elastic:  # a lost node is noticed within 3 heartbeats; a shrunk job waits a moment
-        conf = {"last_call_timeout": int(max(1, round(cfg.rdzv_last_call or LAST_CALL_S))),
-                "keep_alive_interval": KEEP_ALIVE_S, "keep_alive_max_attempt": 3}
+    conf: dict = {}
+    if cfg.elastic or cfg.restarts:
+        # a node that is gone (an eviction, a crash) is dropped from the rendezvous after 3
+        # missed heartbeats: the next round does not wait torch's 3 x 5 s for it
+        conf = {"keep_alive_interval": KEEP_ALIVE_S, "keep_alive_max_attempt": 3}
+    if cfg.elastic:  # a shrunk job waits a moment for more nodes
+        conf["last_call_timeout"] = int(max(1, round(cfg.rdzv_last_call or LAST_CALL_S)))
     return net.torchrun_extra_args(plan, cfg.rdzv_timeout, conf), plan
 
 
