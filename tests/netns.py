@@ -388,9 +388,15 @@ class Cluster:
         """Plug ``node``'s cable back in."""
         _ip("-n", self.switch, "link", "set", f"p{node}", "up")
 
-    def shape(self, node: int, rate: Optional[str]) -> None:
+    def shape(self, node: int, rate: Optional[str], strict: bool = False) -> None:
         """Limit ``node``'s link to ``rate`` (tc syntax: ``100mbit``, ``1gbit``) both ways with
         tbf (egress of the node's eth0 and of its bridge port); ``None`` removes the limit.
+
+        The default bucket holds 64 KB at least (one GSO packet), so a message that size passes
+        at veth speed after an idle moment. ``strict`` caps packets at one Ethernet frame
+        (``gso_max_size``) and the bucket at 2 frames or 1 ms of traffic: every byte waits its
+        turn, as on a real link of that rate (more packets: more CPU at high rates; the packet
+        cap stays after the limit is removed).
 
         Example::
 
@@ -399,19 +405,29 @@ class Cluster:
         for ns, dev in ((self.ns(node), self.iface), (self.switch, f"p{node}")):
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
                            capture_output=True, timeout=30)
+            if strict:
+                _ip("-n", ns, "link", "set", "dev", dev, "gso_max_size", str(FRAME))
             if rate is not None:
                 subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev,
-                                "root", "tbf", "rate", rate, "burst", _burst(rate),
-                                "latency", "100ms"], check=True, capture_output=True, timeout=30)
+                                "root", "tbf", "rate", rate, "burst", _burst(rate, strict),
+                                "latency", "100ms" if not strict else "400ms"],
+                               check=True, capture_output=True, timeout=30)
 
 
-def _burst(rate: str) -> str:
-    """Bucket size: 4 ms of traffic (at least 64 KB), so tbf holds the rate at any HZ."""
+#: One Ethernet frame's payload.
+FRAME = 1500
+
+
+def _burst(rate: str, strict: bool = False) -> str:
+    """Bucket size: 4 ms of traffic (at least 64 KB: one GSO packet), so tbf holds the rate at
+    any HZ; ``strict``: 1 ms of traffic, at least 2 frames (packets are one frame then)."""
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", rate.lower())
     if not m or m.group(2) not in units:
         raise ValueError(f"rate {rate!r}: use a number with kbit, mbit or gbit")
     bits = float(m.group(1)) * units[m.group(2)]
+    if strict:
+        return str(max(2 * (FRAME + 14), int(bits / 8 * 0.001)))
     return str(max(64 * 1024, int(bits / 8 * 0.004)))
 
 

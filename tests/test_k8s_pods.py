@@ -99,6 +99,7 @@ def test_an_evicted_trainjob_pod_checkpoints_in_its_grace_period_and_the_job_res
     with PodCluster(job, tmp_path / "pods", ddpkit_bin()) as c:
         assert c.run_job(str(ROOT), timeout=300, on_tick=evict_once), c.tails()
         logs = c.output(0) + c.output(1)
+        evicted_said = "stopped by SIGTERM at step" in c.output(1)   # rank 0 on the evicted pod?
     # a new pod for the evicted one; the runtime's Job counts the eviction as 1 of its 6 failures
     assert c.starts == [1, 2] and c.failures == 1, (c.starts, c.failures)
     # the evicted pod's workers and their peers stopped after the same step and saved it, well
@@ -107,6 +108,9 @@ def test_an_evicted_trainjob_pod_checkpoints_in_its_grace_period_and_the_job_res
     stopped = [line for line in logs.splitlines() if "stopped by SIGTERM at step" in line]
     assert stopped, logs[-3000:]
     step = int(stopped[0].split(" at step ")[1].split()[0])
+    # rank 0 says when it saved after its own signal, or that the signal reached another rank
+    assert ("s after the signal" if evicted_said else "(the signal reached another rank)") \
+        in stopped[0], stopped
     assert "resumed from" in logs and os.path.isdir(out / "ckpt"), logs[-3000:]
     final = torch.load(out / "final.pt", weights_only=True)
     expected = reference()

@@ -22,11 +22,11 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from netns import Cluster  # noqa: E402
 
 
-def train_on_nodes(rate, hook, port, out, extra, threads):
+def train_on_nodes(rate, hook, port, out, extra, threads, strict=True):
     with Cluster(2) as c:
         if rate != "none":
             for i in range(2):
-                c.shape(i, rate)
+                c.shape(i, rate, strict=strict)
         for i in range(2):
             c.start(i, [sys.executable, "-m", "ddpkit", "train", "--nnodes", "2", "--nproc", "1",
                         "--node-rank", str(i), "--rdzv-endpoint", f"{c.ip(0)}:{port}",
@@ -54,10 +54,15 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="threads per rank")
     p.add_argument("--repeats", type=int, default=2,
                    help="rounds over every cell, one after another (A B A B); the median kept")
+    p.add_argument("--shaping", choices=("strict", "bursty"), default="strict",
+                   help="strict: one-frame packets and a 1 ms bucket, every byte at the rate "
+                        "(default); bursty: the 64 KB bucket of the earlier tables, which lets "
+                        "a small message through at veth speed after an idle moment")
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
     tmp = tempfile.mkdtemp(prefix="ddpkit-auto-")
-    print(f"ddpkit train {' '.join(extra)} on 2 nodes x 1 rank ({args.threads} thread each)")
+    print(f"ddpkit train {' '.join(extra)} on 2 nodes x 1 rank ({args.threads} thread each), "
+          f"{args.shaping} shaping")
     print(f"{'link':>8} {'hook':>5} {'samples/s':>10} {'vs unshaped':>12} {'top-1 (each)':>14}  "
           "chosen (each)")
     cells = [(rate, hook) for rate in args.rates.split(",") for hook in args.hooks.split(",")]
@@ -67,7 +72,7 @@ def main():
             port += 1
             seen[(rate, hook)].append(train_on_nodes(
                 rate, hook, port, os.path.join(tmp, f"{rate}-{hook}-{round_}"), extra,
-                args.threads))
+                args.threads, strict=args.shaping == "strict"))
     base = statistics.median(s for s, _, _ in seen[cells[0]])  # uncompressed, unshaped
     for rate, hook in cells:
         speed = statistics.median(s for s, _, _ in seen[(rate, hook)])

@@ -33,15 +33,20 @@ from worker import mlp  # noqa: E402
 
 
 def compute_alone(width, depth, batch, repeats=7):
+    """One rank's step without a link: forward, backward and the optimizer step (the worker's
+    step is all three; the planner's compute is what a step costs on this device)."""
     torch.set_num_threads(1)
     model = mlp(width, depth)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
         times.append(time.perf_counter() - start)
-        model.zero_grad()
     return statistics.median(times[2:]), model
 
 
@@ -68,12 +73,12 @@ def measured_side_by_side(k, width, depth, batch, hooks):
     return {key: max(s[key] for s in seen) for key in seen[0]}
 
 
-def run_on_nodes(nodes, rate, port, argv):
+def run_on_nodes(nodes, rate, port, argv, strict=True):
     """Run ``ddpkit run ... argv`` on ``nodes`` namespaced nodes behind ``rate``; rank 0's output."""
     with Cluster(nodes) as c:
         if rate != "none":
             for i in range(nodes):
-                c.shape(i, rate)
+                c.shape(i, rate, strict=strict)
         for i in range(nodes):
             c.start(i, [sys.executable, "-m", "ddpkit", "run", "--nnodes", str(nodes),
                         "--nproc", "1", "--node-rank", str(i), "--rdzv-endpoint",
@@ -87,15 +92,18 @@ def run_on_nodes(nodes, rate, port, argv):
 def run_cell(nodes, rate, hook, args, port):
     out = run_on_nodes(nodes, rate, port, [
         os.path.join(HERE, "worker.py"), "--hook", hook, "--steps", str(args.steps),
-        "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)])
+        "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)],
+        strict=args.shaping == "strict")
     return json.loads(next(line for line in out.splitlines() if line.startswith("{")))["step_s"]
 
 
-def doctor_link(nodes, rate, port, tmp):
-    """The link ddpkit doctor measures between the nodes (its sweep up to 16 MiB)."""
+def doctor_link(nodes, rate, port, tmp, strict):
+    """The link ddpkit doctor measures between the nodes (its sweep up to 16 MiB; on slow links
+    to what takes about a second there)."""
     report = os.path.join(tmp, f"doctor-{nodes}-{rate}.json")
-    run_on_nodes(nodes, rate, port, ["-m", "ddpkit.doctor", "--max-bytes", "16M",
-                                     "--json", report])
+    largest = {"10mbit": "1M", "100mbit": "4M"}.get(rate, "16M")
+    run_on_nodes(nodes, rate, port, ["-m", "ddpkit.doctor", "--max-bytes", largest,
+                                     "--json", report], strict=strict)
     with open(report) as f:
         link = json.load(f)["link"]
     return Link(f"doctor ({rate})", link["alpha"], link["beta"])
@@ -113,6 +121,11 @@ def main():
     p.add_argument("--nodes", default="2", help="node counts, e.g. 2,3")
     p.add_argument("--measured-link", action="store_true",
                    help="predict from the link ddpkit doctor measures, not the named one")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every cell, in rounds over all cells (the median kept)")
+    p.add_argument("--shaping", choices=("strict", "bursty"), default="strict",
+                   help="strict: one-frame packets and a 1 ms bucket, every byte at the rate "
+                        "(default); bursty: the 64 KB bucket of the earlier tables")
     args = p.parse_args()
     torch.set_num_threads(1)
     flops = measure_flops()
@@ -127,28 +140,40 @@ def main():
     _, model = compute_alone(args.width, args.depth, args.batch, repeats=3)
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{flops / 1e9:.1f} Gflop/s (1 thread)")
-    print(f"{'nodes':>5} {'link':>8} {'hook':>8} {'predicted ms':>13} {'measured ms':>12} "
-          f"{'error':>7}  link used")
     port = 29600
     import tempfile
     tmp = tempfile.mkdtemp(prefix="ddpkit-validate-")
+    cells, links, measured = [], {}, {}
     for nodes in [int(n) for n in args.nodes.split(",")]:
-        m = alone[nodes]
-        work = workload_of(model, m["compute"], args.batch, f"mlp {args.width}x{args.depth}")
-        hooks = {h: m[h] for h in args.hooks.split(",")}
         for rate in args.rates.split(","):
             port += 1
-            link: Link = doctor_link(nodes, rate, port, tmp) if args.measured_link else \
-                LINKS[rate if rate != "none" else args.unshaped_link]
-            for hook in args.hooks.split(","):
-                port += 1
-                measured = run_cell(nodes, rate, hook, args, port)
-                predicted = predict(work, [nodes], link, hooks=[hook], flops_per_s=flops,
-                                    hook_seconds=hooks)[0].step.total
-                print(f"{nodes:>5} {rate:>8} {hook:>8} {predicted * 1e3:>13.1f} "
-                      f"{measured * 1e3:>12.1f} {predicted / measured - 1:>+7.0%}  "
-                      f"alpha {link.alpha * 1e6:.0f} us, beta {link.beta / 1e6:.1f} MB/s",
-                      flush=True)
+            links[nodes, rate] = doctor_link(nodes, rate, port, tmp, args.shaping == "strict") \
+                if args.measured_link else LINKS[rate if rate != "none" else args.unshaped_link]
+            cells += [(nodes, rate, hook) for hook in args.hooks.split(",")]
+    for round_ in range(args.repeats):   # every cell once a round: drift is shared by all
+        for nodes, rate, hook in cells:
+            port += 1
+            seconds = run_cell(nodes, rate, hook, args, port)
+            measured.setdefault((nodes, rate, hook), []).append(seconds)
+            print(f"round {round_ + 1}: {nodes} nodes {rate} {hook}: {seconds * 1e3:.1f} ms",
+                  file=sys.stderr, flush=True)
+    print(f"{'nodes':>5} {'link':>8} {'hook':>8} {'predicted ms':>13} {'measured ms':>12} "
+          f"{'error':>7} {'runs (ms)':>20}  link used")
+    held = 0
+    for nodes, rate, hook in cells:
+        m, link = alone[nodes], links[nodes, rate]
+        work = workload_of(model, m["compute"], args.batch, f"mlp {args.width}x{args.depth}")
+        hooks = {h: m[h] for h in args.hooks.split(",")}
+        runs = measured[nodes, rate, hook]
+        median = statistics.median(runs)
+        predicted = predict(work, [nodes], link, hooks=[hook], flops_per_s=flops,
+                            hook_seconds=hooks)[0].step.total
+        held += abs(predicted / median - 1) <= 0.15
+        print(f"{nodes:>5} {rate:>8} {hook:>8} {predicted * 1e3:>13.1f} {median * 1e3:>12.1f} "
+              f"{predicted / median - 1:>+7.0%} {' '.join(f'{r * 1e3:.0f}' for r in runs):>20}  "
+              f"alpha {link.alpha * 1e6:.0f} us, beta {link.beta / 1e6:.1f} MB/s", flush=True)
+    print(f"{held} of {len(cells)} cells within 15% (medians of {args.repeats} run(s) each; "
+          f"{args.shaping} shaping)")
 
 
 if __name__ == "__main__":

@@ -181,8 +181,10 @@ class Checkpointer:
         if not saved_now:
             saved = self.save()
         # another rank may have asked first: this one got its own signal later, or none
-        waited = max(0.0, time.monotonic() - (self.rt.stops.received_at or time.monotonic()))
-        what = (f"checkpoint {saved} saved {waited:.1f} s after the signal" if saved else
+        got = self.rt.stops.received_at
+        when = (f"{max(0.0, time.monotonic() - got):.1f} s after the signal" if got is not None
+                else "(the signal reached another rank)")
+        what = (f"checkpoint {saved} saved {when}" if saved else
                 "nothing saved" if self.directory is None else
                 f"checkpoint saved in {self.directory}")
         epoch = f" (epoch {self.epoch + 1})" if self.loader is not None else ""
