@@ -3,10 +3,11 @@ shaped with tc tbf, for each comm hook: the check behind issue 24's 15% bound. R
 
     python benchmarks/plan/validate.py --rates none,1gbit,100mbit,10mbit --hooks none,bf16,powersgd
 
-Compute and each hook's own compute are measured in one process of one thread (the same MLP and
-batch) or, when the nodes' ranks outnumber this machine's cores (3 nodes on 2 cores), in as many
-processes side by side as there are ranks: a share of a core is then the device each rank has
-(the slowest process's median kept). The link is the named one (line rate x 0.94, 50 us) or what
+Compute (forward, backward and the optimizer step) and each hook's own compute are measured in
+as many processes of one thread side by side as there are ranks (the same MLP and batch): every
+namespaced node runs on this one host, so what a rank gets while the others run is its device
+(the slowest process's median kept). Links below 1 Gbit/s are shaped strictly (one-frame packets,
+a 1 ms bucket: every byte at the rate). The link is the named one (line rate x 0.94, 50 us) or what
 ddpkit doctor measures between the nodes.
 """
 import argparse
@@ -73,6 +74,21 @@ def measured_side_by_side(k, width, depth, batch, hooks):
     return {key: max(s[key] for s in seen) for key in seen[0]}
 
 
+def strict(shaping, rate):
+    """Whether ``rate`` is shaped strictly: tbf's 64 KB bucket lets a small message (PowerSGD's
+    tens of KB a step) through at veth speed after an idle moment, which matters on slow links;
+    one-frame packets at 1 Gbit/s cost more CPU than 2 cores have (the link measured ~40 MB/s)."""
+    if shaping == "auto":
+        return rate != "none" and _bits(rate) < 1e9
+    return shaping == "strict"
+
+
+def _bits(rate):
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    unit = next(u for u in units if rate.endswith(u))
+    return float(rate[:-len(unit)]) * units[unit]
+
+
 def run_on_nodes(nodes, rate, port, argv, strict=True):
     """Run ``ddpkit run ... argv`` on ``nodes`` namespaced nodes behind ``rate``; rank 0's output."""
     with Cluster(nodes) as c:
@@ -93,7 +109,7 @@ def run_cell(nodes, rate, hook, args, port):
     out = run_on_nodes(nodes, rate, port, [
         os.path.join(HERE, "worker.py"), "--hook", hook, "--steps", str(args.steps),
         "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)],
-        strict=args.shaping == "strict")
+        strict=strict(args.shaping, rate))
     return json.loads(next(line for line in out.splitlines() if line.startswith("{")))["step_s"]
 
 
@@ -123,15 +139,16 @@ def main():
                    help="predict from the link ddpkit doctor measures, not the named one")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every cell, in rounds over all cells (the median kept)")
-    p.add_argument("--shaping", choices=("strict", "bursty"), default="strict",
-                   help="strict: one-frame packets and a 1 ms bucket, every byte at the rate "
-                        "(default); bursty: the 64 KB bucket of the earlier tables")
+    p.add_argument("--shaping", choices=("auto", "strict", "bursty"), default="auto",
+                   help="strict: one-frame packets and a 1 ms bucket, every byte at the rate; "
+                        "bursty: the 64 KB bucket of the earlier tables; auto (default): strict "
+                        "below 1 Gbit/s, where 64 KB is over 0.5 ms of traffic")
     args = p.parse_args()
     torch.set_num_threads(1)
     flops = measure_flops()
     alone = {}
     for nodes in [int(n) for n in args.nodes.split(",")]:
-        side = nodes if nodes > (os.cpu_count() or 1) else 1
+        side = nodes   # every node's rank runs on this one host: they share its cores
         alone[nodes] = m = measured_side_by_side(side, args.width, args.depth, args.batch,
                                                  args.hooks.split(","))
         print(f"for {nodes} nodes, {side} process(es) side by side: compute "
@@ -147,7 +164,7 @@ def main():
     for nodes in [int(n) for n in args.nodes.split(",")]:
         for rate in args.rates.split(","):
             port += 1
-            links[nodes, rate] = doctor_link(nodes, rate, port, tmp, args.shaping == "strict") \
+            links[nodes, rate] = doctor_link(nodes, rate, port, tmp, strict(args.shaping, rate)) \
                 if args.measured_link else LINKS[rate if rate != "none" else args.unshaped_link]
             cells += [(nodes, rate, hook) for hook in args.hooks.split(",")]
     for round_ in range(args.repeats):   # every cell once a round: drift is shared by all
