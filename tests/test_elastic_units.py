@@ -2,6 +2,7 @@
 given, and every line a user reads when a node leaves or joins. The nodes themselves:
 the elastic scenarios of tests/test_multinode.py."""
 import json
+import os
 
 import pytest
 from torch import nn
@@ -216,6 +217,10 @@ def test_the_grace_line_warns_when_a_stop_cannot_end_in_a_checkpoint():
         20.0, 15.0, {"TORCHELASTIC_RUN_ID": "job"})
     assert grace_line(20.0, 15.0, {}) is None
     assert grace_line(20.0, 15.0, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}) is None
+    # the README's Kubernetes section shows this very line
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "README.md")
+    assert line in open(readme).read().splitlines()
 
 
 def test_an_elastic_job_checks_its_global_batch_on_every_node_count():
