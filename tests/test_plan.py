@@ -34,6 +34,22 @@ def test_fitting_a_sweep_recovers_the_link_it_came_from():
         fit_link([1.0], [1.0], 2)
 
 
+def test_the_latency_comes_from_the_small_messages_and_the_bandwidth_from_the_large():
+    """A real sweep (ddpkit doctor, 3 namespaced nodes behind a strictly shaped 10 Mbit/s link):
+    one least-squares line over it put the latency at 0 us, so PowerSGD's six small all-reduces a
+    step were predicted 18% short; the small sizes carry the latency."""
+    sizes = [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20]
+    seconds = [3.60e-3, 6.75e-3, 20.48e-3, 77.06e-3, 306.03e-3, 1279.75e-3]
+    link = fit_link(sizes, seconds, 3)
+    assert 300e-6 < link.alpha < 600e-6
+    assert link.beta == pytest.approx(1.09e6, rel=0.02)
+    for size, measured in zip(sizes[1:], seconds[1:]):   # 4 KiB and up within 10%
+        assert ring_allreduce_seconds(size, 3, link) == pytest.approx(measured, rel=0.10)
+    # a sweep too flat for a bandwidth (all latency) keeps the latency and an endless bandwidth
+    flat = fit_link([1024, 4096, 16384], [5e-4, 5e-4, 4e-4], 2)
+    assert flat.beta == float("inf") and flat.alpha == pytest.approx(2e-4)
+
+
 def test_buckets_are_made_in_reverse_with_a_small_first_one():
     mib = 1 << 20
     assert buckets([4 * mib] * 3, cap=8 * mib, first=mib) == [[2], [1, 0]]
