@@ -418,14 +418,19 @@ class Cluster:
 FRAME = 1500
 
 
-def _burst(rate: str, strict: bool = False) -> str:
-    """Bucket size: 4 ms of traffic (at least 64 KB: one GSO packet), so tbf holds the rate at
-    any HZ; ``strict``: 1 ms of traffic, at least 2 frames (packets are one frame then)."""
+def rate_bits(rate: str) -> float:
+    """Bits per second of a tc rate (``10mbit``, ``1gbit``, ``500kbit``)."""
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", rate.lower())
     if not m or m.group(2) not in units:
         raise ValueError(f"rate {rate!r}: use a number with kbit, mbit or gbit")
-    bits = float(m.group(1)) * units[m.group(2)]
+    return float(m.group(1)) * units[m.group(2)]
+
+
+def _burst(rate: str, strict: bool = False) -> str:
+    """Bucket size: 4 ms of traffic (at least 64 KB: one GSO packet), so tbf holds the rate at
+    any HZ; ``strict``: 1 ms of traffic, at least 2 frames (packets are one frame then)."""
+    bits = rate_bits(rate)
     if strict:
         return str(max(2 * (FRAME + 14), int(bits / 8 * 0.001)))
     return str(max(64 * 1024, int(bits / 8 * 0.004)))

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from netns import Cluster  # noqa: E402
+from netns import Cluster, rate_bits  # noqa: E402
 
 from ddpkit.costprobe import measure_flops, measure_hook, workload_of  # noqa: E402
 from ddpkit.plan.predict import predict  # noqa: E402
@@ -79,14 +79,8 @@ def strict(shaping, rate):
     tens of KB a step) through at veth speed after an idle moment, which matters on slow links;
     one-frame packets at 1 Gbit/s cost more CPU than 2 cores have (the link measured ~40 MB/s)."""
     if shaping == "auto":
-        return rate != "none" and _bits(rate) < 1e9
+        return rate != "none" and rate_bits(rate) < 1e9
     return shaping == "strict"
-
-
-def _bits(rate):
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    unit = next(u for u in units if rate.endswith(u))
-    return float(rate[:-len(unit)]) * units[unit]
 
 
 def run_on_nodes(nodes, rate, port, argv, strict=True):
