@@ -10,7 +10,7 @@ import pytest
 
 from ddpkit.cli import main
 from ddpkit.doctor.checks import routes, versions
-from ddpkit.doctor.cluster import clocks, sweep_sizes
+from ddpkit.doctor.cluster import clocks, overlap_finding, sweep_sizes
 from ddpkit.doctor.run import parse_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +29,7 @@ def test_doctor_on_two_processes_checks_everything_and_plan_reads_its_link(tmp_p
     lines = proc.stdout.splitlines()
     names = [line.split(":")[0].split()[-1] for line in lines if line.startswith(("ok", "warn"))]
     assert names == ["versions", "backend", "network", "ports", "checkpoints", "clocks", "link",
-                     "timeout"]
+                     "overlap", "timeout"]
     assert "gloo all-reduce over 2 rank(s)" in proc.stdout
     data = json.loads(report.read_text())
     assert [r["bytes"] for r in data["sweep"]] == [1024, 4096, 16384, 65536, 262144]
@@ -37,6 +37,9 @@ def test_doctor_on_two_processes_checks_everything_and_plan_reads_its_link(tmp_p
         assert row["busbw"] == pytest.approx(row["algbw"])   # 2(N-1)/N = 1 for N = 2
         assert row["algbw"] == pytest.approx(row["bytes"] / row["seconds"])
     assert data["link"]["alpha"] >= 0 and data["link"]["beta"] > 0
+    assert -1.0 <= data["link"]["overlap"] <= 1.0
+    said = next(f for f in data["findings"] if f["name"] == "overlap")["detail"]
+    assert said.startswith("an all-reduce of 0.25 MiB runs ") and " behind compute here" in said
     assert len(data["facts"]) == 2 and all(f["verdict"] != "FAIL" for f in data["findings"])
     assert main(["plan", "--params", "1e6", "--compute-ms", "10", "--nodes", "2",
                  "--link", str(report)]) == 0
@@ -135,3 +138,13 @@ def test_a_sweep_too_short_to_fit_a_bandwidth_says_so_and_the_timeout_uses_what_
     assert link.beta == rows[-1]["busbw"]
     slow = timeout_finding(link, 2, 1.0, params=3_000_000_000, peak_busbw=rows[-1]["busbw"])
     assert slow.verdict == "FAIL"
+
+
+def test_the_overlap_line_warns_when_the_all_reduce_takes_the_compute_cores():
+    measured = {"overlap": 0.16, "bytes": 16 << 20, "compute_s": 0.0149, "allreduce_s": 0.0167,
+                "together_s": 0.0292}
+    low = overlap_finding(measured)
+    assert low.verdict == "warn" and low.detail.startswith(
+        "an all-reduce of 16 MiB runs 16% behind compute here (compute 14.9 ms, all-reduce "
+        "16.7 ms, both at once 29.2 ms)") and "--comm-hook auto" in low.fix
+    assert overlap_finding({**measured, "overlap": 0.8}).verdict == "ok"

@@ -87,6 +87,30 @@ def test_a_step_overlaps_what_it_can_and_waits_for_the_rest():
     assert step_time(0.3, shapes, 2, LINKS["100mbit"], "bf16").total < slow.total
 
 
+def test_what_cannot_run_behind_the_compute_comes_after_it():
+    """doctor's overlap: 1 keeps DDP's overlapped step, 0 is compute + hook compute + every
+    all-reduce one after another, and a share in between moves the step that share of the way;
+    below 0 (the two slow each other beyond taking turns) the step is past the serial one."""
+    shapes = [[(1024, 1024)]] * 4
+    link = Link("veth", alpha=150e-6, beta=9.4e8)
+    hidden = step_time(0.03, shapes, 2, link, "bf16", hook_s=0.004)
+    assert hidden == step_time(0.03, shapes, 2, Link("veth", 150e-6, 9.4e8, overlap=1.0), "bf16",
+                               hook_s=0.004)
+    turns = step_time(0.03, shapes, 2, Link("veth", 150e-6, 9.4e8, overlap=0.0), "bf16",
+                      hook_s=0.004)
+    assert turns.total == pytest.approx(0.03 + 0.004 + turns.communication)
+    assert turns.communication == hidden.communication and turns.total > hidden.total
+    half = step_time(0.03, shapes, 2, Link("veth", 150e-6, 9.4e8, overlap=0.5), "bf16",
+                     hook_s=0.004)
+    assert half.total == pytest.approx((hidden.total + turns.total) / 2)
+    worse = step_time(0.03, shapes, 2, Link("veth", 150e-6, 9.4e8, overlap=-0.5), "bf16",
+                      hook_s=0.004)
+    assert worse.total == pytest.approx(turns.total + (turns.total - hidden.total) / 2)
+    # a link the all-reduce waits on (10 Mbit/s) hides the compute instead: overlap matters less
+    slow = [step_time(0.03, shapes, 2, Link("slow", 0, 1.2e6, overlap=w)).total for w in (0, 1)]
+    assert slow[0] / slow[1] < 1.01
+
+
 def test_compression_is_recommended_only_when_it_gains_more_than_five_percent():
     work = synthetic_workload(25 * 2 ** 20, compute_s=0.2, batch=32)
     slow = recommend(predict(work, [2], LINKS["100mbit"], flops_per_s=1e11))
@@ -112,6 +136,10 @@ def test_plan_on_the_command_line(tmp_path, capsys):
     assert main(["plan", "--model", "small_cnn", "--batch", "4", "--nodes", "2",
                  "--link", str(doctor)]) == 0
     assert f"measured ({doctor})" in capsys.readouterr().out
+    from ddpkit.cli.plan import parse_link    # a report without overlap (older doctor): 1
+    assert parse_link(str(doctor)).overlap == 1.0
+    doctor.write_text(json.dumps({"link": {"alpha": 1e-5, "beta": 1e9, "overlap": 0.25}}))
+    assert parse_link(str(doctor)) == Link(f"measured ({doctor})", 1e-5, 1e9, 0.25)
 
 
 @pytest.mark.parametrize("args,said", [

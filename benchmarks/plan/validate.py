@@ -3,10 +3,10 @@ shaped with tc tbf, for each comm hook: the check behind issue 24's 15% bound. R
 
     python benchmarks/plan/validate.py --rates none,1gbit,100mbit,10mbit --hooks none,bf16,powersgd
 
-Compute (forward, backward and the optimizer step) and each hook's own compute are measured in
-as many processes of one thread side by side as there are ranks (the same MLP and batch): every
-namespaced node runs on this one host, so what a rank gets while the others run is its device
-(the slowest process's median kept). Links below 1 Gbit/s are shaped strictly (one-frame packets,
+Compute (forward, backward and the optimizer step, under DDP's no_sync) and each hook's own
+compute (on a process group of one rank) are measured by the ranks of a calibration job on the
+same namespaced nodes, every rank at once (worker.py --calibrate): every node runs on this one
+host, so what a rank gets while the others run is its device (the slowest rank's median kept). Links below 1 Gbit/s are shaped strictly (one-frame packets,
 a 1 ms bucket: every byte at the rate). The link is the named one (line rate x 0.94, 50 us) or what
 ddpkit doctor measures between the nodes.
 """
@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from netns import Cluster, rate_bits  # noqa: E402
 
-from ddpkit.costprobe import measure_flops, measure_hook, workload_of  # noqa: E402
+from ddpkit.costprobe import measure_flops, workload_of  # noqa: E402
 from ddpkit.plan.predict import predict  # noqa: E402
 from ddpkit.stepcost import LINKS, Link  # noqa: E402
 
@@ -33,45 +32,19 @@ sys.path.insert(0, HERE)
 from worker import mlp  # noqa: E402
 
 
-def compute_alone(width, depth, batch, repeats=7):
-    """One rank's step without a link: forward, backward and the optimizer step (the worker's
-    step is all three; the planner's compute is what a step costs on this device)."""
-    torch.set_num_threads(1)
+def parameters(width, depth):
+    """The MLP's parameter count and the model itself (its gradient shapes feed the planner)."""
     model = mlp(width, depth)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]), model
+    return sum(p.numel() for p in model.parameters()), model
 
 
-def _side_by_side(width, depth, batch, hooks, barrier, queue):
-    barrier.wait()
-    compute, model = compute_alone(width, depth, batch)
-    work = workload_of(model, compute, batch)
-    queue.put({"compute": compute, **{h: measure_hook(work, h) for h in hooks}})
-
-
-def measured_side_by_side(k, width, depth, batch, hooks):
-    """Compute and hook compute measured in ``k`` processes at once; the slowest of each."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(k), ctx.Queue()
-    procs = [ctx.Process(target=_side_by_side, args=(width, depth, batch, hooks, barrier, queue))
-             for _ in range(k)]
-    for proc in procs:
-        proc.start()
-    seen = [queue.get(timeout=600) for _ in procs]
-    for proc in procs:
-        proc.join()
-    return {key: max(s[key] for s in seen) for key in seen[0]}
+def calibrated(nodes, port, args):
+    """Compute and hook compute measured by the ranks themselves (worker.py --calibrate) on
+    ``nodes`` unshaped namespaced nodes: every rank at once, as they share this host's cores."""
+    out = run_on_nodes(nodes, "none", port, [
+        os.path.join(HERE, "worker.py"), "--calibrate", "--hooks", args.hooks, "--width",
+        str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)])
+    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
 
 
 def strict(shaping, rate):
@@ -83,7 +56,7 @@ def strict(shaping, rate):
     return shaping == "strict"
 
 
-def run_on_nodes(nodes, rate, port, argv, strict=True):
+def run_on_nodes(nodes, rate, port, argv, strict=True, env=None):
     """Run ``ddpkit run ... argv`` on ``nodes`` namespaced nodes behind ``rate``; rank 0's output."""
     with Cluster(nodes) as c:
         if rate != "none":
@@ -92,7 +65,7 @@ def run_on_nodes(nodes, rate, port, argv, strict=True):
         for i in range(nodes):
             c.start(i, [sys.executable, "-m", "ddpkit", "run", "--nnodes", str(nodes),
                         "--nproc", "1", "--node-rank", str(i), "--rdzv-endpoint",
-                        f"{c.ip(0)}:{port}", *argv], cwd=ROOT)
+                        f"{c.ip(0)}:{port}", *argv], env=env, cwd=ROOT)
         codes = c.wait(timeout=900)
         if codes != [0] * nodes:
             raise SystemExit(f"{argv} on {nodes} nodes behind {rate} failed: {c.tails()}")
@@ -109,14 +82,16 @@ def run_cell(nodes, rate, hook, args, port):
 
 def doctor_link(nodes, rate, port, tmp, strict):
     """The link ddpkit doctor measures between the nodes (its sweep up to 16 MiB; on slow links
-    to what takes about a second there)."""
+    to what takes about a second there), with one thread a rank as the workers have, so its
+    overlap probe computes as they do."""
     report = os.path.join(tmp, f"doctor-{nodes}-{rate}.json")
     largest = {"10mbit": "1M", "100mbit": "4M"}.get(rate, "16M")
     run_on_nodes(nodes, rate, port, ["-m", "ddpkit.doctor", "--max-bytes", largest,
-                                     "--json", report], strict=strict)
+                                     "--json", report], strict=strict,
+                 env={"OMP_NUM_THREADS": "1"})
     with open(report) as f:
         link = json.load(f)["link"]
-    return Link(f"doctor ({rate})", link["alpha"], link["beta"])
+    return Link(f"doctor ({rate})", link["alpha"], link["beta"], link.get("overlap", 1.0))
 
 
 def main():
@@ -140,18 +115,15 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     flops = measure_flops()
-    alone = {}
+    alone, port = {}, 29600
     for nodes in [int(n) for n in args.nodes.split(",")]:
-        side = nodes   # every node's rank runs on this one host: they share its cores
-        alone[nodes] = m = measured_side_by_side(side, args.width, args.depth, args.batch,
-                                                 args.hooks.split(","))
-        print(f"for {nodes} nodes, {side} process(es) side by side: compute "
+        port += 1
+        alone[nodes] = m = calibrated(nodes, port, args)
+        print(f"for {nodes} nodes, measured by the ranks at once: compute "
               f"{m['compute'] * 1e3:.1f} ms, hooks " +
-              ", ".join(f"{h} {m[h] * 1e3:.1f} ms" for h in args.hooks.split(",")))
-    _, model = compute_alone(args.width, args.depth, args.batch, repeats=3)
-    print(f"{sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{flops / 1e9:.1f} Gflop/s (1 thread)")
-    port = 29600
+              ", ".join(f"{h} {m[h] * 1e3:.1f} ms" for h in args.hooks.split(",")), flush=True)
+    count, model = parameters(args.width, args.depth)
+    print(f"{count:,} parameters, {flops / 1e9:.1f} Gflop/s (1 thread)")
     import tempfile
     tmp = tempfile.mkdtemp(prefix="ddpkit-validate-")
     cells, links, measured = [], {}, {}
@@ -182,7 +154,8 @@ def main():
         held += abs(predicted / median - 1) <= 0.15
         print(f"{nodes:>5} {rate:>8} {hook:>8} {predicted * 1e3:>13.1f} {median * 1e3:>12.1f} "
               f"{predicted / median - 1:>+7.0%} {' '.join(f'{r * 1e3:.0f}' for r in runs):>20}  "
-              f"alpha {link.alpha * 1e6:.0f} us, beta {link.beta / 1e6:.1f} MB/s", flush=True)
+              f"alpha {link.alpha * 1e6:.0f} us, beta {link.beta / 1e6:.1f} MB/s, "
+              f"overlap {link.overlap:.2f}", flush=True)
     print(f"{held} of {len(cells)} cells within 15% (medians of {args.repeats} run(s) each; "
           f"{args.shaping} shaping)")
 

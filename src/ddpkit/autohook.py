@@ -276,11 +276,14 @@ def choice_of(model: nn.Module) -> Optional[Choice]:
 
 def time_hooks(bucket_shapes: Sequence[Sequence[Tuple[int, ...]]], hooks: Sequence[Tuple[str, int]],
                make: Callable[..., Tuple[Any, Callable]], device: torch.device,
-               group: Any = None, steps: int = 2) -> Dict[Tuple[str, int], float]:
+               group: Any = None, steps: int = 2, median: bool = False,
+               after_step: Optional[Callable[[], Any]] = None) -> Dict[Tuple[str, int], float]:
     """Seconds one step of each ``(hook, powersgd_rank)`` takes: the hook itself (``make(hook,
     rank, group)``, compressing from its first step) run on buckets of ``bucket_shapes`` filled
     with random gradients, one bucket after another, over ``group`` (a group of one rank: its
-    compute alone). Collective over ``group``.
+    compute alone). The fastest of ``steps`` (its own cost), or their ``median`` (what it costs
+    while other processes share the cores; ``after_step``, timed with each step, can hold the
+    processes in step as DDP's all-reduces would). Collective over ``group``.
 
     Example::
 
@@ -300,8 +303,11 @@ def time_hooks(bucket_shapes: Sequence[Sequence[Tuple[int, ...]]], hooks: Sequen
                 hook(state, bucket).wait()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            if after_step is not None:
+                after_step()
             times.append(time.perf_counter() - start)
-        spent[(name, rank)] = min(times[1:])
+        kept = sorted(times[1:])
+        spent[(name, rank)] = kept[len(kept) // 2] if median else kept[0]
     return spent
 
 

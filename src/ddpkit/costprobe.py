@@ -16,7 +16,7 @@ from torch import nn
 from .stepcost import BUCKET_CAP, FIRST_BUCKET, buckets
 
 __all__ = ["Workload", "workload_of", "measure_compute", "measure_flops", "measure_hook",
-           "time_allreduce"]
+           "time_allreduce", "sync_device"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ def measure_hook(work: Workload, hook: str, rank: int = 2,
     engine registers it) run on buckets of the model's gradient shapes over a process group of
     one rank, in a child process, so its all-reduces cost nothing and what is left is its
     compute (the casts of fp16/bf16; PowerSGD's error feedback, P = MQ, orthogonalisation,
-    Q = M^T P, the reconstruction and its per-tensor Python work).
+    Q = M^T P, the reconstruction and its per-tensor Python work). The fastest of ``repeats``
+    steps.
 
     Example::
 
@@ -159,15 +160,19 @@ def time_allreduce(tensor: torch.Tensor, group: Any = None) -> float:
     """
     import torch.distributed as dist
 
-    _sync(tensor.device)
+    sync_device(tensor.device)
     start = time.perf_counter()
     dist.all_reduce(tensor, group=group)
-    _sync(tensor.device)
+    sync_device(tensor.device)
     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=tensor.device)
     dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
     return float(took.item())
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU. Example::
+
+        sync_device(torch.device("cpu"))
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)

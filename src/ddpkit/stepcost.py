@@ -9,6 +9,11 @@ and what each comm hook sends and costs.
                                               each bucket all-reduced once it is ready and the
                                               previous one is done; step = max(backward end,
                                               last bucket's end)
+    comm that shares the compute's cores      overlap w (measured by doctor: 1 when an
+                                              all-reduce runs wholly behind compute, 0 when
+                                              the two take turns): step = overlapped +
+                                              (1 - w) (serial - overlapped), serial = compute +
+                                              hook compute + every all-reduce one after another
     a hook's own compute h, per bucket by its     half inline (DDP calls the hook on the backward's
     share of the gradients                    thread: compressing delays the backward), half in
                                               the bucket's chain after its all-reduce (the
@@ -39,8 +44,10 @@ GAIN = 0.05
 
 @dataclass(frozen=True)
 class Link:
-    """A link between ranks: latency ``alpha`` (s per message hop) and bandwidth ``beta``
-    (bytes/s). Example::
+    """A link between ranks: latency ``alpha`` (s per message hop), bandwidth ``beta``
+    (bytes/s) and ``overlap``, the share of an all-reduce's time that can run behind the
+    ranks' compute (1: NCCL beside the kernels, a NIC doing the work; lower when the copies
+    and the TCP stack take the cores the ranks compute on). Example::
 
         Link("1gbit", alpha=50e-6, beta=117.5e6)
     """
@@ -48,6 +55,7 @@ class Link:
     name: str
     alpha: float
     beta: float
+    overlap: float = 1.0
 
 
 def _ethernet(name: str, bits_per_s: float, alpha: float = 50e-6) -> Link:
@@ -227,4 +235,7 @@ def step_time(compute_s: float, bucket_shapes: Sequence[Sequence[Tuple[int, ...]
         return StepTime(compute_s, compute_s, 0.0, 0.0, 0.0)
     backward_end = compute_s + extra / 2
     end = max(backward_end, done)
+    # what could not run behind the compute (it wanted the same cores) comes after it
+    serial = compute_s + extra + comm
+    end += (1.0 - min(max(link.overlap, -1.0), 1.0)) * max(serial - end, 0.0)
     return StepTime(end, compute_s, comm, end - backward_end, extra)

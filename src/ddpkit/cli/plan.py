@@ -54,7 +54,8 @@ def parse_link(text: str):  # -> Link
         try:
             with open(text) as f:
                 link = json.load(f)["link"]
-            return Link(f"measured ({text})", float(link["alpha"]), float(link["beta"]))
+            return Link(f"measured ({text})", float(link["alpha"]), float(link["beta"]),
+                        float(link.get("overlap", 1.0)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"--link {text}: not a ddpkit doctor --json report with a "
                               f"measured link ({exc})") from None

@@ -6,19 +6,20 @@ that link moves a model's gradients within the collective timeout.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
 
-from ..costprobe import time_allreduce
+from ..costprobe import sync_device, time_allreduce
 from ..errors import JobSetupError
 from ..stepcost import Link, bandwidths, fit_link, ring_allreduce_seconds
 from ..shared_dir import check_shared
 from .checks import Finding
 
 __all__ = ["collective", "clocks", "shared", "sweep", "sweep_sizes", "link_finding",
-           "timeout_finding"]
+           "timeout_finding", "overlap", "overlap_finding"]
 
 
 def collective(device: torch.device) -> Finding:
@@ -173,3 +174,75 @@ def timeout_finding(link: Link, world: int, timeout_s: float, params: Optional[i
         return Finding("timeout", "warn", f"{said}: over a quarter of the collective timeout of "
                                           f"{timeout_s:g} s (a slower moment would time out)", fix)
     return Finding("timeout", "ok", f"{said}, within the collective timeout of {timeout_s:g} s")
+
+
+def _matmuls(a: torch.Tensor, count: int) -> None:
+    for _ in range(count):
+        torch.mm(a, a, out=a.new_empty(a.shape))
+    sync_device(a.device)
+
+
+def overlap(device: torch.device, rows: List[Dict[str, Any]], budget_s: float = 3.0,
+            longest_s: float = 0.25) -> Dict[str, float]:
+    """How much of an all-reduce runs behind compute on this device: every rank times a loop of
+    matrix products alone (C), the sweep's largest all-reduce that took at most ``longest_s``
+    alone (M), and the two started together (B); overlap = (C + M - B) / min(C, M), from 0
+    (they take turns: the copies and the TCP stack want the compute's cores) to 1 (the
+    all-reduce hides wholly). The slowest rank's times, the median of the repeats. Collective.
+
+    Example::
+
+        overlap(torch.device("cpu"), sweep(torch.device("cpu"), sweep_sizes(16 << 20)))
+    """
+    fitting = [r for r in rows if r["seconds"] <= longest_s] or rows[:1]
+    row = fitting[-1]
+    buffer = torch.ones(row["bytes"] // 4, device=device)
+    a = torch.randn((4096, 4096) if device.type == "cuda" else (256, 256), device=device)
+    _matmuls(a, 3)   # warm-up
+    start = time.perf_counter()
+    _matmuls(a, 10)
+    one = torch.tensor([(time.perf_counter() - start) / 10], dtype=torch.float64, device=device)
+    tdist.all_reduce(one, op=tdist.ReduceOp.MAX)   # every rank runs the same loop
+    count = max(1, round(row["seconds"] / max(float(one.item()), 1e-9)))
+    samples: List[Tuple[float, float, float]] = []
+    spent = time.perf_counter()
+    while len(samples) < 3 or (len(samples) < 9 and time.perf_counter() - spent < budget_s):
+        tdist.barrier()
+        start = time.perf_counter()
+        _matmuls(a, count)
+        alone = time.perf_counter() - start
+        comm = time_allreduce(buffer)
+        tdist.barrier()
+        start = time.perf_counter()
+        work = tdist.all_reduce(buffer, async_op=True)
+        _matmuls(a, count)
+        work.wait()
+        sync_device(device)
+        both = torch.tensor([alone, time.perf_counter() - start], dtype=torch.float64,
+                            device=device)
+        tdist.all_reduce(both, op=tdist.ReduceOp.MAX)
+        samples.append((float(both[0]), comm, float(both[1])))
+    shares = sorted((c + m - b) / min(c, m) for c, m, b in samples)
+    c, m, b = (sorted(s[i] for s in samples)[len(samples) // 2] for i in range(3))
+    return {"overlap": min(max(shares[len(shares) // 2], -1.0), 1.0), "bytes": row["bytes"],
+            "compute_s": c, "allreduce_s": m, "together_s": b}
+
+
+def overlap_finding(measured: Dict[str, float]) -> Finding:
+    """One line for :func:`overlap`'s measurement; a warning below one half.
+
+    Example::
+
+        overlap_finding({"overlap": 0.1, "bytes": 1 << 24, "compute_s": 0.02,
+                         "allreduce_s": 0.018, "together_s": 0.036})   # warn
+    """
+    said = (f"an all-reduce of {measured['bytes'] / (1 << 20):g} MiB runs "
+            f"{measured['overlap']:.0%} behind compute here (compute "
+            f"{measured['compute_s'] * 1e3:.1f} ms, all-reduce {measured['allreduce_s'] * 1e3:.1f} "
+            f"ms, both at once {measured['together_s'] * 1e3:.1f} ms)")
+    if measured["overlap"] < 0.5:
+        return Finding("overlap", "warn", f"{said}: the gradients' all-reduce takes the cores "
+                                          "the backward needs, so DDP's overlap hides little",
+                       "fewer bytes hide better (--comm-hook auto); on CPU leave cores free for "
+                       "communication (OMP_NUM_THREADS below the cores per rank)")
+    return Finding("overlap", "ok", said)

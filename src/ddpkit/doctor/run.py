@@ -5,6 +5,7 @@ exit 1 when any finding fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -88,8 +89,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         findings.append(cluster.clocks(stamps))
         rows = cluster.sweep(rt.device, cluster.sweep_sizes(max_bytes))
         finding, link = cluster.link_finding(rows, rt.world_size)
-        findings += [finding, cluster.timeout_finding(link, rt.world_size, ns.timeout_s,
-                                                      ns.params, max(r["busbw"] for r in rows))]
+        shared_cores = cluster.overlap(rt.device, rows)
+        link = dataclasses.replace(link, overlap=shared_cores["overlap"])
+        findings += [finding, cluster.overlap_finding(shared_cores),
+                     cluster.timeout_finding(link, rt.world_size, ns.timeout_s,
+                                             ns.params, max(r["busbw"] for r in rows))]
     else:
         rows, link = [], None
         findings.append(checks.Finding("link", "ok", "one process: nothing to measure; run "
@@ -130,11 +134,9 @@ def _sweep_table(rows: list) -> None:
 
 
 def _write_json(path: str, facts: list, findings: list, rows: list, link, world: int) -> None:
-    import dataclasses
-
     data = {"ranks": world, "facts": facts,
             "findings": [dataclasses.asdict(f) for f in findings], "sweep": rows,
             "link": None if link is None else {"alpha": link.alpha, "beta": link.beta,
-                                               "ranks": world}}
+                                               "overlap": link.overlap, "ranks": world}}
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
