@@ -39,7 +39,8 @@ def test_doctor_on_two_processes_checks_everything_and_plan_reads_its_link(tmp_p
     assert data["link"]["alpha"] >= 0 and data["link"]["beta"] > 0
     assert -1.0 <= data["link"]["overlap"] <= 1.0
     said = next(f for f in data["findings"] if f["name"] == "overlap")["detail"]
-    assert said.startswith("an all-reduce of 0.25 MiB runs ") and " behind compute here" in said
+    assert said.startswith("an all-reduce of 0.25 MiB beside compute: compute ") and \
+        f"overlap {data['link']['overlap']:.2f} (" in said
     assert len(data["facts"]) == 2 and all(f["verdict"] != "FAIL" for f in data["findings"])
     assert main(["plan", "--params", "1e6", "--compute-ms", "10", "--nodes", "2",
                  "--link", str(report)]) == 0
@@ -144,7 +145,11 @@ def test_the_overlap_line_warns_when_the_all_reduce_takes_the_compute_cores():
     measured = {"overlap": 0.16, "bytes": 16 << 20, "compute_s": 0.0149, "allreduce_s": 0.0167,
                 "together_s": 0.0292}
     low = overlap_finding(measured)
-    assert low.verdict == "warn" and low.detail.startswith(
-        "an all-reduce of 16 MiB runs 16% behind compute here (compute 14.9 ms, all-reduce "
-        "16.7 ms, both at once 29.2 ms)") and "--comm-hook auto" in low.fix
+    assert low.verdict == "warn" and low.detail == (
+        "an all-reduce of 16 MiB beside compute: compute 14.9 ms, all-reduce 16.7 ms, both at "
+        "once 29.2 ms: overlap 0.16 (16% of the shorter hides behind the other)")
+    assert "--comm-hook auto" in low.fix
     assert overlap_finding({**measured, "overlap": 0.8}).verdict == "ok"
+    worse = overlap_finding({**measured, "overlap": -0.3, "together_s": 0.0366})
+    assert worse.verdict == "warn" and worse.detail.endswith(
+        "overlap -0.30 (both at once take longer than one after the other)")

@@ -3,11 +3,12 @@ shaped with tc tbf, for each comm hook: the check behind issue 24's 15% bound. R
 
     python benchmarks/plan/validate.py --rates none,1gbit,100mbit,10mbit --hooks none,bf16,powersgd
 
-Compute (forward, backward and the optimizer step, under DDP's no_sync) and each hook's own
-compute (on a process group of one rank) are measured by the ranks of a calibration job on the
-same namespaced nodes, every rank at once (worker.py --calibrate): every node runs on this one
-host, so what a rank gets while the others run is its device (the slowest rank's median kept). Links below 1 Gbit/s are shaped strictly (one-frame packets,
-a 1 ms bucket: every byte at the rate). The link is the named one (line rate x 0.94, 50 us) or what
+Compute (forward, backward and the optimizer step; DDP over a group of one rank) and each
+hook's own compute (on a process group of one rank) are measured by the ranks of a calibration
+job on the same namespaced nodes, every rank at once and in step (worker.py --calibrate): every
+node runs on this one host, so what a rank gets while the others run is its device (the slowest
+rank's median kept). Links below 1 Gbit/s are shaped strictly (one-frame packets, a 1 ms bucket:
+every byte at the rate). The link is the named one (line rate x 0.94, 50 us) or what
 ddpkit doctor measures between the nodes.
 """
 import argparse
@@ -81,11 +82,11 @@ def run_cell(nodes, rate, hook, args, port):
 
 
 def doctor_link(nodes, rate, port, tmp, strict):
-    """The link ddpkit doctor measures between the nodes (its sweep up to 16 MiB; on slow links
-    to what takes about a second there), with one thread a rank as the workers have, so its
+    """The link ddpkit doctor measures between the nodes (its sweep up to 16 MiB; 4 MiB on
+    10 Mbit/s, 5 s an all-reduce there: TCP's window still grows over the first MiB), with one thread a rank as the workers have, so its
     overlap probe computes as they do."""
     report = os.path.join(tmp, f"doctor-{nodes}-{rate}.json")
-    largest = {"10mbit": "1M", "100mbit": "4M"}.get(rate, "16M")
+    largest = {"10mbit": "4M"}.get(rate, "16M")
     run_on_nodes(nodes, rate, port, ["-m", "ddpkit.doctor", "--max-bytes", largest,
                                      "--json", report], strict=strict,
                  env={"OMP_NUM_THREADS": "1"})

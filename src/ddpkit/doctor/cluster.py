@@ -186,9 +186,10 @@ def overlap(device: torch.device, rows: List[Dict[str, Any]], budget_s: float = 
             longest_s: float = 0.25) -> Dict[str, float]:
     """How much of an all-reduce runs behind compute on this device: every rank times a loop of
     matrix products alone (C), the sweep's largest all-reduce that took at most ``longest_s``
-    alone (M), and the two started together (B); overlap = (C + M - B) / min(C, M), from 0
-    (they take turns: the copies and the TCP stack want the compute's cores) to 1 (the
-    all-reduce hides wholly). The slowest rank's times, the median of the repeats. Collective.
+    alone (M), and the two started together (B); overlap = (C + M - B) / min(C, M): 1 when
+    the all-reduce hides wholly, 0 when they take turns (the copies and the TCP stack want the
+    compute's cores), below 0 (down to -1) when both at once take longer than one after the
+    other. The slowest rank's times, the median of the repeats. Collective.
 
     Example::
 
@@ -205,8 +206,8 @@ def overlap(device: torch.device, rows: List[Dict[str, Any]], budget_s: float = 
     tdist.all_reduce(one, op=tdist.ReduceOp.MAX)   # every rank runs the same loop
     count = max(1, round(row["seconds"] / max(float(one.item()), 1e-9)))
     samples: List[Tuple[float, float, float]] = []
-    spent = time.perf_counter()
-    while len(samples) < 3 or (len(samples) < 9 and time.perf_counter() - spent < budget_s):
+    # the loop ends on figures every rank agrees on (the slowest rank's), never on a local clock
+    while len(samples) < 3 or (len(samples) < 9 and sum(map(sum, samples)) < budget_s):
         tdist.barrier()
         start = time.perf_counter()
         _matmuls(a, count)
@@ -236,10 +237,12 @@ def overlap_finding(measured: Dict[str, float]) -> Finding:
         overlap_finding({"overlap": 0.1, "bytes": 1 << 24, "compute_s": 0.02,
                          "allreduce_s": 0.018, "together_s": 0.036})   # warn
     """
-    said = (f"an all-reduce of {measured['bytes'] / (1 << 20):g} MiB runs "
-            f"{measured['overlap']:.0%} behind compute here (compute "
+    share = measured["overlap"]
+    said = (f"an all-reduce of {measured['bytes'] / (1 << 20):g} MiB beside compute: compute "
             f"{measured['compute_s'] * 1e3:.1f} ms, all-reduce {measured['allreduce_s'] * 1e3:.1f} "
-            f"ms, both at once {measured['together_s'] * 1e3:.1f} ms)")
+            f"ms, both at once {measured['together_s'] * 1e3:.1f} ms: overlap {share:.2f} (" +
+            (f"{share:.0%} of the shorter hides behind the other)" if share >= 0 else
+             "both at once take longer than one after the other)"))
     if measured["overlap"] < 0.5:
         return Finding("overlap", "warn", f"{said}: the gradients' all-reduce takes the cores "
                                           "the backward needs, so DDP's overlap hides little",
