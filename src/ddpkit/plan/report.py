@@ -56,7 +56,9 @@ def assumptions(work: Workload, link: Link, hooks: Dict[str, float], inside: Lin
             f"compute: {1e3 * work.compute_s:.1f} ms forward+backward for {work.batch} "
             "samples per rank; forward 1/3 of it, gradients ready in proportion to their bytes",
             f"between nodes: {link.name}, alpha {1e6 * link.alpha:.1f} us, beta "
-            f"{link.beta / 1e6:.1f} MB/s; inside a node: {inside.name}",
+            f"{link.beta / 1e6:.1f} MB/s" + (f", overlap {link.overlap:.2f} (measured)"
+                                            if link.overlap != 1.0 else "") +
+            f"; inside a node: {inside.name}",
             f"ring all-reduce; each hook's own compute per step: torch's hook timed here on "
             f"the gradients' shapes, half inline, half after its bucket's all-reduce: {measured}"]
 
