@@ -220,7 +220,8 @@ def test_the_grace_line_warns_when_a_stop_cannot_end_in_a_checkpoint():
     # the README's Kubernetes section shows this very line
     readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "README.md")
-    assert line in open(readme).read().splitlines()
+    with open(readme) as f:
+        assert line in f.read().splitlines()
 
 
 def test_an_elastic_job_checks_its_global_batch_on_every_node_count():

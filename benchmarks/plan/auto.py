@@ -4,9 +4,10 @@ unshaped at 100 Mbit/s, >= 0.7 at 10 Mbit/s) and accuracy (within 0.5 points) fi
 
     python benchmarks/plan/auto.py --rates none,100mbit,10mbit --epochs 12 -- --batch-size 256
 
-Each cell is whole `ddpkit train` runs (--repeats rounds over all cells, the median kept) (one rank per node, the built-in job on its embedded
-data, the same seed); throughput is the median of its epochs' training samples/s from the second
-on (the start-up probe and the trial are in the first), accuracy its final top-1. Everything after `--` goes to `ddpkit train`.
+Each cell is whole `ddpkit train` runs (--repeats rounds over all cells, the median kept; one
+rank per node, the built-in job on its embedded data, the same seed); throughput is the median
+of its epochs' training samples/s from the second on (the start-up probe and the trial are in
+the first), accuracy its final top-1. Everything after `--` goes to `ddpkit train`.
 """
 import argparse
 import json

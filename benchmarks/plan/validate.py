@@ -58,7 +58,8 @@ def strict(shaping, rate):
 
 
 def run_on_nodes(nodes, rate, port, argv, strict=True, env=None):
-    """Run ``ddpkit run ... argv`` on ``nodes`` namespaced nodes behind ``rate``; rank 0's output."""
+    """Run ``ddpkit run ... argv`` on ``nodes`` namespaced nodes behind ``rate``; rank 0's
+    output."""
     with Cluster(nodes) as c:
         if rate != "none":
             for i in range(nodes):
@@ -83,8 +84,8 @@ def run_cell(nodes, rate, hook, args, port):
 
 def doctor_link(nodes, rate, port, tmp, strict):
     """The link ddpkit doctor measures between the nodes (its sweep up to 16 MiB; 4 MiB on
-    10 Mbit/s, 5 s an all-reduce there: TCP's window still grows over the first MiB), with one thread a rank as the workers have, so its
-    overlap probe computes as they do."""
+    10 Mbit/s, 5 s an all-reduce there: TCP's window still grows over the first MiB), with one
+    thread a rank as the workers have, so its overlap probe computes as they do."""
     report = os.path.join(tmp, f"doctor-{nodes}-{rate}.json")
     largest = {"10mbit": "4M"}.get(rate, "16M")
     run_on_nodes(nodes, rate, port, ["-m", "ddpkit.doctor", "--max-bytes", largest,
