@@ -194,3 +194,61 @@ def fit_reported_loss(accum: int, hooks_on_rank0_only: bool = False):
         rt, model, torch.optim.SGD(model.parameters(), lr=0.1), rt.loader(data, 8, shuffle=False),
         epochs=1, loss_fn=loss_fn, accum_steps=accum, hooks=hooks, progress=False)
     return {"seen": comm.gather_object(hook.seen), "local": comm.gather_object(local)}
+
+
+class _Bucket:
+    """A gradient bucket as a DDP comm hook sees it (buffer, index, is_last)."""
+
+    def __init__(self, buffer):
+        self._buffer = buffer
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+
+def batched_powersgd_steps(rank: int, start: int, steps: int, numel: int):
+    """Each step: this rank's random gradient through ddpkit's batched PowerSGD hook; what came
+    back, the exact average, and at the end the ranks' mean error (error feedback's memory)."""
+    from ddpkit.lowrank import BatchedPowerSGD, batched_powersgd_hook
+
+    rt = ddpkit.setup()
+    state = BatchedPowerSGD(rank=rank, start_powerSGD_iter=start)
+    g = torch.Generator().manual_seed(100 + rt.rank)
+    applied, exact = [], []
+    for _ in range(steps):
+        grad = torch.randn(numel, generator=g) * torch.linspace(0.1, 3, numel)
+        exact.append(comm.reduce(grad.clone(), "mean"))
+        applied.append(batched_powersgd_hook(state, _Bucket(grad.clone())).wait().clone())
+    error = comm.reduce(state.error[0][:numel].clone(), "mean") if state.error else None
+    every = comm.gather_object(applied)
+    return {"applied": applied, "exact": exact, "error": error,
+            "same": all(all(torch.equal(a, b) for a, b in zip(applied, o)) for o in every)}
+
+
+def train_with_hook(hook: str, steps: int):
+    """``steps`` of a user's own loop with ``comm_hook=hook`` (compressing from step 2): the
+    full-batch loss before and after, and whether the ranks' parameters agree."""
+    rt = ddpkit.setup(seed=0)
+    model = rt.wrap(tiny_model(), comm_hook=hook, powersgd_start_iter=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    x, y = full_batch(96)
+    per = x.shape[0] // rt.world_size
+    sl = slice(rt.rank * per, (rt.rank + 1) * per)
+    with torch.no_grad():
+        before = nn.functional.cross_entropy(model(x), y).item()
+    for _ in range(steps):
+        nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        after = nn.functional.cross_entropy(model(x), y).item()
+    params = [p.detach().clone() for p in rt.unwrap(model).parameters()]
+    every = comm.gather_object(params)
+    return {"before": before, "after": after,
+            "same": all(all(torch.equal(a, b) for a, b in zip(params, o)) for o in every)}

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.autohook import Choice, _scalar, choose, measure_step
+from ddpkit.autohook import OPTIONS, Choice, _scalar, choose, measure_step
 from ddpkit.costprobe import workload_of
 from ddpkit.stepcost import LINKS, Link
 
@@ -30,7 +30,8 @@ def _mlp_work(compute_s):
     return workload_of(model, compute_s, batch=64)
 
 
-CHEAP = {("bf16", 0): 1e-3, ("powersgd", 4): 5e-3, ("powersgd", 2): 4e-3}
+CHEAP = {("bf16", 0): 1e-3, ("powersgd", 4): 5e-3, ("powersgd", 2): 4e-3,
+         ("powersgd-batched", 4): 0.03, ("powersgd-batched", 2): 0.03}
 
 
 def test_a_fast_link_keeps_plain_all_reduce():
@@ -47,7 +48,8 @@ def test_a_slow_link_compresses_with_the_higher_powersgd_rank_when_both_pay():
 
 
 def test_powersgd_that_costs_more_than_it_saves_leaves_bf16():
-    dear = {("bf16", 0): 1e-3, ("powersgd", 4): 2.0, ("powersgd", 2): 2.0}
+    dear = {("bf16", 0): 1e-3, ("powersgd", 4): 2.0, ("powersgd", 2): 2.0,
+            ("powersgd-batched", 4): 2.0, ("powersgd-batched", 2): 2.0}
     choice = choose(_mlp_work(0.2), LINKS["1gbit"], 2, dear)
     assert choice.hook == "bf16" and choice.predicted_s < choice.plain_s
 
@@ -56,8 +58,27 @@ def test_a_saving_within_the_floor_is_not_worth_compressing():
     # one small matrix on a fast link: bf16 saves microseconds
     work = workload_of(nn.Linear(64, 64), 1e-3, batch=8)
     fast = Link("fast", alpha=1e-6, beta=1e8)
-    assert choose(work, fast, 2, {("bf16", 0): 0.0, ("powersgd", 4): 0.0,
-                                  ("powersgd", 2): 0.0}).hook == "none"
+    assert choose(work, fast, 2, {("bf16", 0): 0.0, ("powersgd", 4): 0.0, ("powersgd", 2): 0.0,
+                                  ("powersgd-batched", 4): 0.0,
+                                  ("powersgd-batched", 2): 0.0}).hook == "none"
+
+
+def test_a_small_model_whose_per_tensor_powersgd_costs_more_than_its_link_takes_the_batched():
+    # the built-in SmallCNN's shapes: torch's per-tensor PowerSGD spends its time on 11 small
+    # tensors in Python; the batched hook compresses the one bucket as a 176 x 176 matrix
+    from ddpkit.job.models import SmallCNN
+
+    work = workload_of(SmallCNN(), 0.02, batch=128)
+    measured = {("bf16", 0): 2e-4, ("powersgd", 4): 5e-3, ("powersgd", 2): 4e-3,
+                ("powersgd-batched", 4): 6e-4, ("powersgd-batched", 2): 5e-4}
+    link = Link("100mbit", alpha=100e-6, beta=11.75e6)
+    choice = choose(work, link, 2, measured)
+    assert (choice.hook, choice.rank) == ("powersgd-batched", 4), choice.predicted
+    assert choice.line().startswith("comm hook auto: powersgd-batched (rank 4): predicted step")
+    slower = choose(work, Link("10mbit", alpha=600e-6, beta=1.175e6), 2, measured)
+    assert (slower.hook, slower.rank) == ("powersgd-batched", 2), slower.predicted
+    # within 5% of each other, the per-tensor PowerSGD (the finer approximation) comes first
+    assert OPTIONS.index(("powersgd", 2)) < OPTIONS.index(("powersgd-batched", 4))
 
 
 def test_the_choice_is_kept_as_json():
@@ -131,7 +152,7 @@ def test_auto_on_two_processes_trains_as_without_it_apart_from_the_hook(tmp_path
     plain = runs["none"].split("RESULT ")[1].split()
     assert auto[-2] == plain[-2]           # the measurements drew nothing from the generators
     chosen = auto[-1]
-    assert chosen in ("none", "bf16", "powersgd") and said[0].split(":")[1].strip().startswith(
+    assert chosen in ("none", "bf16", "powersgd", "powersgd-batched") and said[0].split(":")[1].strip().startswith(
         chosen)
     if chosen == "none":                   # plain all-reduce: the very same training
         assert auto[:-2] == plain[:-2]
@@ -146,7 +167,7 @@ def test_ddpkit_train_keeps_the_choice_and_a_resume_reads_its_config_back(tmp_pa
     assert len(said) == 1, proc.stdout
     results = json.loads((out / "results.json").read_text())
     config = json.loads((out / "config.json").read_text())
-    assert results["comm_hook"]["hook"] in ("none", "bf16", "powersgd")
+    assert results["comm_hook"]["hook"] in ("none", "bf16", "powersgd", "powersgd-batched")
     assert config["comm_hook"] == "auto" and config["comm_hook_chosen"] == results["comm_hook"]
     proc = _ddpkit("train", "--config", str(out / "config.json"), "--epochs", "2",
                    "--resume", "auto", "--no-progress")
@@ -166,10 +187,14 @@ def test_the_runner_up_is_tried_only_when_close_and_compressing():
 
     work = _mlp_work(0.2)
     assert runner_up(choose(work, LINKS["100gbit"], 2, CHEAP)) is None   # plain: exact DDP
-    slow = choose(work, LINKS["100mbit"], 2, CHEAP)                      # PowerSGD by far
+    dear = {**CHEAP, ("powersgd-batched", 4): 1.0, ("powersgd-batched", 2): 1.0}
+    slow = choose(work, LINKS["100mbit"], 2, dear)                       # PowerSGD by far
     assert slow.hook == "powersgd" and runner_up(slow) is None
+    # the batched PowerSGD predicted within 2x: the two PowerSGDs are tried on real steps
+    assert runner_up(choose(work, LINKS["100mbit"], 2, CHEAP)) == ("powersgd-batched", 2)
     close = choose(work, LINKS["1gbit"], 2, {("bf16", 0): 1e-3, ("powersgd", 4): 0.03,
-                                             ("powersgd", 2): 0.03})
+                                             ("powersgd", 2): 0.03, ("powersgd-batched", 4): 1.0,
+                                             ("powersgd-batched", 2): 1.0})
     assert close.hook == "powersgd" and runner_up(close) == ("bf16", 0)
 
 

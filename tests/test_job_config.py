@@ -145,7 +145,7 @@ def test_none_accepted_for_optional_fields():
     ("strategy", "deepspeed", "ddp, fsdp, dp, horovod, none"),
     ("scheduler", "linear", "none, cosine, step, onecycle"),
     ("accelerator", "tpu", "auto, cpu, cuda"),
-    ("comm_hook", "int8", "fp16, bf16, powersgd, auto"),
+    ("comm_hook", "int8", "fp16, bf16, powersgd, powersgd-batched, auto"),
 ])
 def test_choices_enforced(key, bad, choices):
     with pytest.raises(ConfigError) as exc:

@@ -122,7 +122,7 @@ def test_sync_bn_not_applied_without_ddp():
 def test_unknown_comm_hook_lists_choices():
     with pytest.raises(ConfigError) as exc:
         _register_comm_hook(None, "int8")
-    assert str(exc.value) == "unknown comm hook 'int8'; choose one of fp16, bf16, powersgd, auto"
+    assert str(exc.value) == "unknown comm hook 'int8'; choose one of fp16, bf16, powersgd, powersgd-batched, auto"
 
 
 # ----------------------------------------------------------------------------- wrapping twice

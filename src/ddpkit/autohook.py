@@ -34,13 +34,16 @@ from .costprobe import time_allreduce, workload_of
 from .hooktrial import HookTrial, dispatch
 from .stepcost import GAIN, Link, fit_link, hook_cost, ring_allreduce_seconds, step_time
 
-__all__ = ["Choice", "choose", "probe_link", "measure_step", "install", "choice_of",
+__all__ = ["Choice", "choose", "probe_link", "measure_step", "install", "choice_of", "OPTIONS",
            "POWERSGD_RANKS", "FLOOR_S", "time_hooks", "runner_up", "TRIAL_FACTOR"]
 
 #: PowerSGD ranks considered, the higher first (closer to the exact gradient).
 POWERSGD_RANKS = (4, 2)
-#: Every (hook, PowerSGD rank) ``auto`` considers, in its order of preference when they tie.
-OPTIONS = [("none", 0), ("bf16", 0)] + [("powersgd", r) for r in POWERSGD_RANKS]
+#: Every (hook, PowerSGD rank) ``auto`` considers, in its order of preference when they tie:
+#: the per-tensor PowerSGD before the batched one (one low-rank matrix for a whole bucket: a
+#: coarser approximation, cheaper to compute and to send).
+OPTIONS = [("none", 0), ("bf16", 0)] + [(hook, r) for hook in ("powersgd", "powersgd-batched")
+                                        for r in POWERSGD_RANKS]
 #: A hook must save this much a step, besides 5% of it: below, the saving is timing noise.
 FLOOR_S = 1e-3
 #: A hook is also timed over the real link when the model says a step of it takes less.
@@ -57,7 +60,7 @@ class Choice:
         choice_of(model).hook, choice_of(model).gain   # ('powersgd', 21.4)
     """
 
-    hook: str              # none | bf16 | powersgd
+    hook: str              # none | bf16 | powersgd | powersgd-batched
     rank: int              # PowerSGD's matrix rank (0 for the others)
     predicted_s: float     # predicted step with this hook
     plain_s: float         # predicted step, gradients all-reduced uncompressed
@@ -134,7 +137,7 @@ def runner_up(choice: Choice) -> Optional[Tuple[str, int]]:
 
 
 def _label(hook: str, rank: int) -> str:
-    return f"{hook} (rank {rank})" if hook == "powersgd" else hook
+    return f"{hook} (rank {rank})" if hook.startswith("powersgd") else hook
 
 
 def probe_link(device: torch.device, group: Any = None, budget_s: float = 0.1,

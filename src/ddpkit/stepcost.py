@@ -24,6 +24,9 @@ and what each comm hook sends and costs.
                                               flops; vectors and matrices it would not shrink
                                               2x go uncompressed, in a third all-reduce
                                               (torch's min_compression_rate)
+    batched PowerSGD, rank r                  the bucket's n floats as one s x s matrix, s =
+                                              ceil(sqrt(n)): sends 2 s r floats in two
+                                              all-reduces and costs 4 s^2 r + 2 s r^2 flops
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["Link", "LINKS", "ring_allreduce_seconds", "bandwidths", "fit_link", "buckets",
-           "HookCost", "hook_cost", "StepTime", "step_time", "FIRST_BUCKET", "BUCKET_CAP", "GAIN"]
+           "HookCost", "hook_cost", "square_side", "StepTime", "step_time", "FIRST_BUCKET",
+           "BUCKET_CAP", "GAIN"]
 
 #: DDP's bucket sizes: the first bucket is small so communication starts early.
 FIRST_BUCKET = 1 << 20
@@ -168,9 +172,20 @@ def _powersgd(shape: Tuple[int, ...], rank: int) -> Tuple[float, float, bool]:
     return (m + n) * r, 4.0 * m * n * r + 2.0 * m * r * r, True
 
 
+def square_side(numel: int) -> int:
+    """The side of the square matrix batched PowerSGD (``ddpkit.lowrank``) views a bucket of
+    ``numel`` floats as: ceil(sqrt(numel)).
+
+    Example::
+
+        square_side(30_762)   # 176
+    """
+    return max(1, math.isqrt(max(numel - 1, 0)) + 1)
+
+
 def hook_cost(hook: str, shapes: Sequence[Tuple[int, ...]], rank: int = 2) -> HookCost:
     """Bytes, all-reduce calls and extra flops of one bucket's gradients under ``hook``
-    ("none", "fp16", "bf16" or "powersgd").
+    ("none", "fp16", "bf16", "powersgd" or "powersgd-batched").
 
     Example::
 
@@ -181,8 +196,13 @@ def hook_cost(hook: str, shapes: Sequence[Tuple[int, ...]], rank: int = 2) -> Ho
         return HookCost(4.0 * numel, 1, 0.0)
     if hook in ("fp16", "bf16"):
         return HookCost(2.0 * numel, 1, 0.0)
+    if hook == "powersgd-batched":
+        side = square_side(numel)
+        r = min(rank, side)
+        return HookCost(4.0 * 2 * side * r, 2, 4.0 * side * side * r + 2.0 * side * r * r)
     if hook != "powersgd":
-        raise ValueError(f"unknown comm hook {hook!r}: none, fp16, bf16 or powersgd")
+        raise ValueError(f"unknown comm hook {hook!r}: none, fp16, bf16, powersgd or "
+                         "powersgd-batched")
     parts = [_powersgd(tuple(s), rank) for s in shapes]
     floats = sum(p[0] for p in parts)
     compressed = any(p[2] for p in parts)

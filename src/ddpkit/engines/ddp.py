@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import autohook
 from ..env import ClusterEnv
 from ..errors import ConfigError
+from ..lowrank import BatchedPowerSGD, batched_powersgd_hook
 from ..wrap import WrapOptions
 from .base import Engine
 
@@ -22,7 +23,7 @@ __all__ = ["DDPEngine", "bf16_compress_any_backend", "register_comm_hook", "comm
 
 #: "auto" measures the step and the link at the first training step and picks one of the others
 #: (ddpkit.autohook).
-COMM_HOOKS = ("fp16", "bf16", "powersgd", "auto")
+COMM_HOOKS = ("fp16", "bf16", "powersgd", "powersgd-batched", "auto")
 
 
 class DDPEngine(Engine):
@@ -116,6 +117,8 @@ def comm_hook_for(name: str, options: Optional[WrapOptions] = None,
         "powersgd": lambda: (powersgd.PowerSGDState(
             process_group=group, matrix_approximation_rank=options.powersgd_rank,
             start_powerSGD_iter=options.powersgd_start_iter), powersgd.powerSGD_hook),
+        "powersgd-batched": lambda: (BatchedPowerSGD(
+            group, options.powersgd_rank, options.powersgd_start_iter), batched_powersgd_hook),
     }
     if name not in hooks:
         raise ConfigError(f"unknown comm hook {name!r}; choose one of {', '.join(COMM_HOOKS)}")

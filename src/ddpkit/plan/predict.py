@@ -15,7 +15,7 @@ from ..stepcost import GAIN, Link, StepTime, step_time
 __all__ = ["Row", "synthetic_workload", "model_workload", "predict", "recommend", "HOOKS", "GAIN"]
 
 #: The hooks compared, in the order of preference when they tie.
-HOOKS = ("none", "bf16", "powersgd")
+HOOKS = ("none", "bf16", "powersgd", "powersgd-batched")
 
 
 def synthetic_workload(params: int, compute_s: float, batch: int) -> Workload:

@@ -19,10 +19,10 @@ def table(rows: Sequence[Row]) -> str:
 
         print(table(predict(work, [1, 2], LINKS["1gbit"])))
     """
-    lines = [f"{'nodes':>5} {'ranks':>5}  {'hook':<8} {'step ms':>9} {'comm ms':>9} "
+    lines = [f"{'nodes':>5} {'ranks':>5}  {'hook':<16} {'step ms':>9} {'comm ms':>9} "
              f"{'waits ms':>9} {'samples/s':>10} {'efficiency':>10}"]
     for r in rows:
-        lines.append(f"{r.nodes:>5} {r.ranks:>5}  {r.hook:<8} {1e3 * r.step.total:>9.1f} "
+        lines.append(f"{r.nodes:>5} {r.ranks:>5}  {r.hook:<16} {1e3 * r.step.total:>9.1f} "
                      f"{1e3 * r.step.communication:>9.1f} {1e3 * r.step.exposed:>9.1f} "
                      f"{r.samples_per_s:>10.1f} {r.efficiency:>10.0%}")
     return "\n".join(lines)
@@ -39,7 +39,7 @@ def advice(rows: Sequence[Row]) -> List[str]:
             out.append(f"{nodes} node(s): no compression (no hook gains more than 5% here)")
         else:
             risk = "; PowerSGD approximates the gradients: check the accuracy" \
-                if hook == "powersgd" else ""
+                if hook.startswith("powersgd") else ""
             out.append(f"{nodes} node(s): --comm-hook {hook} (+{gain:.0%} samples/s over plain "
                        f"all-reduce{risk})")
     return out
@@ -59,8 +59,9 @@ def assumptions(work: Workload, link: Link, hooks: Dict[str, float], inside: Lin
             f"{link.beta / 1e6:.1f} MB/s" + (f", overlap {link.overlap:.2f} (measured)"
                                             if link.overlap != 1.0 else "") +
             f"; inside a node: {inside.name}",
-            f"ring all-reduce; each hook's own compute per step: torch's hook timed here on "
-            f"the gradients' shapes, half inline, half after its bucket's all-reduce: {measured}"]
+            f"ring all-reduce; each hook's own compute per step: the hook as DDP runs it, timed "
+            f"here on the gradients' shapes, half inline, half after its bucket's all-reduce: "
+            f"{measured}"]
 
 
 def as_json(rows: Sequence[Row], work: Workload, link: Link) -> str:
