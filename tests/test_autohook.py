@@ -75,8 +75,7 @@ def test_a_small_model_whose_per_tensor_powersgd_costs_more_than_its_link_takes_
     choice = choose(work, link, 2, measured)
     assert (choice.hook, choice.rank) == ("powersgd-batched", 4), choice.predicted
     assert choice.line().startswith("comm hook auto: powersgd-batched (rank 4): predicted step")
-    slower = choose(work, Link("10mbit", alpha=600e-6, beta=1.175e6), 2, measured)
-    assert (slower.hook, slower.rank) == ("powersgd-batched", 2), slower.predicted
+    assert "powersgd-batched (rank 2)" not in choice.predicted   # too coarse: RESULTS.md
     # within 5% of each other, the per-tensor PowerSGD (the finer approximation) comes first
     assert OPTIONS.index(("powersgd", 2)) < OPTIONS.index(("powersgd-batched", 4))
 
@@ -190,8 +189,10 @@ def test_the_runner_up_is_tried_only_when_close_and_compressing():
     dear = {**CHEAP, ("powersgd-batched", 4): 1.0, ("powersgd-batched", 2): 1.0}
     slow = choose(work, LINKS["100mbit"], 2, dear)                       # PowerSGD by far
     assert slow.hook == "powersgd" and runner_up(slow) is None
-    # the batched PowerSGD predicted within 2x: the two PowerSGDs are tried on real steps
-    assert runner_up(choose(work, LINKS["100mbit"], 2, CHEAP)) == ("powersgd-batched", 2)
+    # the batched PowerSGD predicted within 2x is not tried against it: two error memories
+    both = choose(work, LINKS["100mbit"], 2, CHEAP)
+    assert both.predicted["powersgd-batched (rank 4)"] < 2 * both.predicted_s
+    assert runner_up(both) is None
     close = choose(work, LINKS["1gbit"], 2, {("bf16", 0): 1e-3, ("powersgd", 4): 0.03,
                                              ("powersgd", 2): 0.03, ("powersgd-batched", 4): 1.0,
                                              ("powersgd-batched", 2): 1.0})
