@@ -85,6 +85,8 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
     (["train", "--timeout-s", "0"], "--timeout-s must be > 0, got 0.0"),
     (["train", "--eval-batch-size", "0"], "--eval-batch-size must be >= 1, got 0"),
     (["train", "--ckpt-keep", "0"], "--ckpt-keep must be >= 1, got 0"),
+    (["train", "--comm-hook", "powersgd", "--powersgd-start-iter", "1"],
+     "--powersgd-start-iter must be >= 2, got 1"),
     (["run", "--master-port", "0", "examples/train_ddpkit.py"],
      "--master-port must be between 1 and 65535"),
     (["run", "--nnodes", "0", "examples/train_ddpkit.py"], "--nnodes must be >= 1, got 0"),

@@ -333,6 +333,10 @@ def test_cli_flags():
     assert type(cfg.clip_grad) is float
     assert (cfg.comm_hook, cfg.max_steps, cfg.backend) == ("powersgd", 10, "gloo")
     assert cfg.epochs == TrainConfig().epochs
+    cfg = _resolve("--comm-hook", "powersgd-batched", "--powersgd-rank", "4",
+                   "--powersgd-start-iter", "2")
+    assert (cfg.comm_hook, cfg.powersgd_rank, cfg.powersgd_start_iter) == (
+        "powersgd-batched", 4, 2)
 
 
 def test_cli_positive_bool_flag():

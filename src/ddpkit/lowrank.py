@@ -78,6 +78,9 @@ def batched_powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
     error feedback (see the module's docstring). Not annotated on purpose: DDP checks
     annotations against its own GradBucket/Future classes.
 
+    The error memory is the matrix itself: the bucket is added to it, and the approximation,
+    written straight into the bucket, is taken off it (no padded copy, no second matrix).
+
     Example::
 
         ddp_model.register_comm_hook(BatchedPowerSGD(rank=1), batched_powersgd_hook)
@@ -93,12 +96,11 @@ def batched_powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
     index, numel = bucket.index(), buffer.numel()
     side = square_side(numel)
     rank = min(state.matrix_approximation_rank, side)
-    flat = torch.zeros(side * side, device=buffer.device, dtype=torch.float32)
-    flat[:numel].copy_(buffer)
-    error = state.error.get(index)
-    if error is not None and error.numel() == flat.numel():
-        flat.add_(error)
-    matrix = flat.view(side, side)
+    memory = state.error.get(index)
+    if memory is None or memory.numel() != side * side or memory.device != buffer.device:
+        memory = state.error[index] = torch.zeros(side * side, device=buffer.device)
+    memory[:numel].add_(buffer)                  # M = this step's gradients + last step's error
+    matrix = memory.view(side, side)
     q = state.q.get(index)
     if q is None or q.shape != (side, rank):
         gen = torch.Generator().manual_seed(state.seed + index)  # the same Q on every rank
@@ -113,9 +115,17 @@ def batched_powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
         q_sum = dist.all_reduce(q_new, group=group, async_op=True).get_future().wait()[0]
         q_sum.div_(world)
         state.q[index] = q_sum
-        approx = p_sum @ q_sum.t()
-        state.error[index] = (matrix - approx).view(-1)
-        buffer.copy_(approx.view(-1)[:numel])
+        # the approximation P Q^T: whole rows straight into the bucket, the last (partly
+        # padding) rows apart; then taken off M, which is left holding the new error
+        rows = numel // side
+        out = buffer if buffer.dtype == torch.float32 else torch.empty(numel, device=buffer.device)
+        torch.mm(p_sum[:rows], q_sum.t(), out=out[:rows * side].view(rows, side))
+        tail = (p_sum[rows:] @ q_sum.t()).view(-1)
+        out[rows * side:].copy_(tail[:numel - rows * side])
+        memory[:numel].sub_(out)
+        memory[numel:].sub_(tail[numel - rows * side:])
+        if out is not buffer:
+            buffer.copy_(out)
         return buffer
 
     return p_fut.then(after_p)

@@ -35,7 +35,7 @@ class WrapOptions:
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True
-    comm_hook: Optional[str] = None  # fp16 | bf16 | powersgd | auto (ddpkit.autohook)
+    comm_hook: Optional[str] = None  # fp16 | bf16 | powersgd | powersgd-batched | auto
     powersgd_rank: int = 2           # matrix approximation rank of PowerSGD
     powersgd_start_iter: int = 10    # plain all-reduce for the first N steps (PowerSGD warm-up)
     compile: bool = False            # torch.compile the wrapped model (see compile_model)

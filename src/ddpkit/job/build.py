@@ -110,6 +110,8 @@ def build_wrapped_model(cfg: TrainConfig, rt: Runtime, train_set: Any) -> nn.Mod
     return replicated_model(rt, cfg.model, train_set, cfg.seed, cfg.channels_last,
                             summary=not rt.env.restart_count,  # said once, not per restart
                             sync_bn=cfg.sync_bn, comm_hook=cfg.comm_hook,
+                            powersgd_rank=cfg.powersgd_rank,
+                            powersgd_start_iter=cfg.powersgd_start_iter,
                             find_unused_parameters=cfg.find_unused_parameters,
                             compile=cfg.compile,
                             mixed_precision=cfg.precision if cfg.precision != "fp32" else None)
