@@ -170,3 +170,12 @@ def test_hook_compute_is_measured_on_the_gradients_shapes():
     shapes = [[(256, 256)]]
     measured = step_time(0.1, shapes, 2, LINKS["100gbit"], "powersgd", hook_s=0.05)
     assert measured.hook_compute == 0.05 and measured.total >= 0.15
+
+
+def test_the_recommendation_prefers_the_earlier_hook_within_five_percent_as_auto_does():
+    step = step_time(1.0, [], 2, LINKS["1gbit"])
+    rows = [Row(2, 2, "none", step, 100.0, 1.0), Row(2, 2, "bf16", step, 150.0, 1.0),
+            Row(2, 2, "powersgd", step, 200.0, 1.0), Row(2, 2, "powersgd-batched", step, 205.0, 1.0)]
+    assert recommend(rows) == {2: ("powersgd", pytest.approx(1.0))}
+    rows[-1] = Row(2, 2, "powersgd-batched", step, 260.0, 1.0)
+    assert recommend(rows) == {2: ("powersgd-batched", pytest.approx(1.6))}

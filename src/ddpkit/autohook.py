@@ -43,9 +43,9 @@ __all__ = ["Choice", "choose", "probe_link", "measure_step", "install", "choice_
 #: PowerSGD ranks considered, the higher first (closer to the exact gradient).
 POWERSGD_RANKS = (4, 2)
 #: Batched PowerSGD's ranks considered: one low-rank matrix for a whole bucket is a coarser
-#: approximation than a rank per tensor. On the built-in job rank 4 trained as well as the
-#: per-tensor rank 2 (top-1 99.72 / 99.63 averaged over 3 seeds, uncompressed 99.91) and rank 2
-#: lost 1.8 points (98.14): benchmarks/RESULTS.md.
+#: approximation than a rank per tensor. On the built-in job (batch 256) rank 4 trained as well
+#: as the per-tensor rank 2 (top-1 99.72 / 99.63 averaged over 3 seeds, uncompressed 99.91) and
+#: rank 2 lost 2 points (97.95): benchmarks/plan/accuracy.sh, benchmarks/RESULTS.md.
 BATCHED_RANKS = (4,)
 #: Every (hook, PowerSGD rank) ``auto`` considers, in its order of preference when they tie:
 #: the per-tensor PowerSGD before the batched one (cheaper to compute and to send).
