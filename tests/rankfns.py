@@ -199,43 +199,53 @@ def fit_reported_loss(accum: int, hooks_on_rank0_only: bool = False):
 class _Bucket:
     """A gradient bucket as a DDP comm hook sees it (buffer, index, is_last)."""
 
-    def __init__(self, buffer):
-        self._buffer = buffer
+    def __init__(self, buffer, index=0, last=True):
+        self._buffer, self._index, self._last = buffer, index, last
 
     def buffer(self):
         return self._buffer
 
     def index(self):
-        return 0
+        return self._index
 
     def is_last(self):
-        return True
+        return self._last
 
 
-def batched_powersgd_steps(rank: int, start: int, steps: int, numel: int):
-    """Each step: this rank's random gradient through ddpkit's batched PowerSGD hook; what came
-    back, the exact average, and at the end the ranks' mean error (error feedback's memory)."""
+def batched_powersgd_steps(rank: int, start: int, steps: int, numels, dtype: str = "float32"):
+    """Each step: this rank's random gradients (one bucket per entry of ``numels``) through
+    ddpkit's batched PowerSGD hook, one bucket after another as DDP hands them; per bucket what
+    came back, the exact average and every rank's gradients, and at the end the ranks' mean
+    error (error feedback's memory)."""
     from ddpkit.lowrank import BatchedPowerSGD, batched_powersgd_hook
 
     rt = ddpkit.setup()
     state = BatchedPowerSGD(rank=rank, start_powerSGD_iter=start)
     g = torch.Generator().manual_seed(100 + rt.rank)
-    applied, exact = [], []
+    kind = getattr(torch, dtype)
+    out = {"applied": [], "exact": [], "grads": []}
     for _ in range(steps):
-        grad = torch.randn(numel, generator=g) * torch.linspace(0.1, 3, numel)
-        exact.append(comm.reduce(grad.clone(), "mean"))
-        applied.append(batched_powersgd_hook(state, _Bucket(grad.clone())).wait().clone())
-    error = comm.reduce(state.error[0][:numel].clone(), "mean") if state.error else None
-    every = comm.gather_object(applied)
-    return {"applied": applied, "exact": exact, "error": error,
-            "same": all(all(torch.equal(a, b) for a, b in zip(applied, o)) for o in every)}
+        grads = [(torch.randn(n, generator=g) * torch.linspace(0.1, 3, n)).to(kind)
+                 for n in numels]
+        out["exact"].append([comm.reduce(x.float(), "mean") for x in grads])
+        out["grads"].append(comm.gather_object(grads))
+        futures = [batched_powersgd_hook(state, _Bucket(x.clone(), i, i == len(numels) - 1))
+                   for i, x in enumerate(grads)]
+        out["applied"].append([f.wait().clone() for f in futures])
+    out["error"] = [comm.reduce(state.error[i][:n].clone(), "mean") if i in state.error
+                    else None for i, n in enumerate(numels)]
+    every = comm.gather_object(out["applied"])
+    out["same"] = all(all(torch.equal(a, b) for step, other in zip(out["applied"], o)
+                          for a, b in zip(step, other)) for o in every)
+    return out
 
 
-def train_with_hook(hook: str, steps: int):
+def train_with_hook(hook, steps: int, bucket_cap_mb: float = 25.0):
     """``steps`` of a user's own loop with ``comm_hook=hook`` (compressing from step 2): the
     full-batch loss before and after, and whether the ranks' parameters agree."""
     rt = ddpkit.setup(seed=0)
-    model = rt.wrap(tiny_model(), comm_hook=hook, powersgd_start_iter=2)
+    model = rt.wrap(tiny_model(), comm_hook=hook, powersgd_start_iter=2,
+                    bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     x, y = full_batch(96)
     per = x.shape[0] // rt.world_size

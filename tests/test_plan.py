@@ -131,6 +131,10 @@ def test_plan_on_the_command_line(tmp_path, capsys):
     data = json.loads(report.read_text())
     assert {r["hook"] for r in data["rows"]} == {"none", "bf16", "powersgd", "powersgd-batched"}
     assert data["recommendation"]["2"]["hook"].startswith("powersgd")
+    assert "--powersgd-rank" not in out               # each hook's default, as train's
+    assert main(["plan", "--params", "25e6", "--compute-ms", "200", "--nodes", "2",
+                 "--link", "100mbit", "--powersgd-rank", "4"]) == 0
+    assert "--powersgd-rank 4 (+" in capsys.readouterr().out
     doctor = tmp_path / "doctor.json"
     doctor.write_text(json.dumps({"link": {"alpha": 1e-5, "beta": 1e9}}))
     assert main(["plan", "--model", "small_cnn", "--batch", "4", "--nodes", "2",
@@ -179,3 +183,11 @@ def test_the_recommendation_prefers_the_earlier_hook_within_five_percent_as_auto
     assert recommend(rows) == {2: ("powersgd", pytest.approx(1.0))}
     rows[-1] = Row(2, 2, "powersgd-batched", step, 260.0, 1.0)
     assert recommend(rows) == {2: ("powersgd-batched", pytest.approx(1.6))}
+    # bf16 within 5% of the fastest: bf16, even at 1% over plain (auto's rule); plain within
+    # 5%: none
+    close = [Row(2, 2, "none", step, 100.0, 1.0), Row(2, 2, "bf16", step, 101.0, 1.0),
+             Row(2, 2, "powersgd", step, 106.0, 1.0)]
+    assert recommend(close) == {2: ("bf16", pytest.approx(0.01))}
+    assert recommend(close[:2] + [Row(2, 2, "powersgd", step, 104.0, 1.0)]) == {2: ("none", 0.0)}
+    odd = [Row(2, 2, "none", step, 100.0, 1.0), Row(2, 2, "int8", step, 300.0, 1.0)]
+    assert recommend(odd) == {2: ("int8", pytest.approx(2.0))}   # a hook not in HOOKS: last

@@ -257,7 +257,10 @@ def _try(ddp: nn.Module, choice: Choice, options: List[Tuple[str, int]],
     for hook, rank in options:
         state, fn = (None, default_hooks.allreduce_hook) if hook == "none" else make(hook, rank)
         if hasattr(state, "start_powerSGD_iter"):
-            state.iter = state.start_powerSGD_iter  # compress from its first trial step
+            # compress from its second trial step: the first (a warm-up, not timed) may be
+            # DDP's first, after which DDP rebuilds its buckets and a PowerSGD's memories would
+            # no longer match them
+            state.iter = state.start_powerSGD_iter - 1
         hooks.append((state, fn))
     labels = [_label(h, r) for h, r in options]
 

@@ -87,7 +87,7 @@ def measure_flops(device: Optional[torch.device] = None, n: int = 512) -> float:
 
 def measure_hook(work: Workload, hook: str, rank: int = 2,
                  device: Optional[torch.device] = None, repeats: int = 3) -> float:
-    """Seconds per step of ``hook``'s own work on this device: torch's own hook (as the DDP
+    """Seconds per step of ``hook``'s own work on this device: the hook itself (as the DDP
     engine registers it) run on buckets of the model's gradient shapes over a process group of
     one rank, in a child process, so its all-reduces cost nothing and what is left is its
     compute (the casts of fp16/bf16; PowerSGD's error feedback, P = MQ, orthogonalisation,

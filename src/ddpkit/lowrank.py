@@ -13,8 +13,11 @@ This is the batched variant written again, with the same algorithm (Vogels et al
     M' = P Q^T             the bucket's gradients; error = M - M'
 
 Q is kept from one step to the next (warm start), starting from the same random matrix on every
-rank. For the first ``start_powerSGD_iter`` steps the bucket is all-reduced uncompressed, as
-torch's hooks do. A bucket of n floats sends 2 ceil(sqrt(n)) r floats in two all-reduces.
+rank. For the first ``start_powerSGD_iter`` steps (at least 2: DDP rebuilds its buckets after
+the first) the bucket is all-reduced uncompressed, as torch's hooks do. Computed in float32
+(float64 for float64 gradients); bf16/fp16 buckets get the rounded approximation, and the error
+memory keeps what the rounding lost. A bucket of n floats sends 2 ceil(sqrt(n)) r floats in two
+all-reduces.
 
 Example::
 
@@ -23,7 +26,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,9 @@ class BatchedPowerSGD:
                  start_powerSGD_iter: int = 10, seed: int = 0) -> None:
         if rank < 1:
             raise ValueError(f"PowerSGD's rank must be at least 1, not {rank}")
+        if start_powerSGD_iter < 2:   # as torch's PowerSGDState: DDP rebuilds its buckets
+            raise ValueError("start_powerSGD_iter must be at least 2: DDP rebuilds its buckets "
+                             f"after the first step, got {start_powerSGD_iter}")
         self.process_group = process_group
         self.matrix_approximation_rank = rank
         self.start_powerSGD_iter = start_powerSGD_iter   # the names torch's PowerSGDState uses
@@ -78,8 +84,12 @@ def batched_powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
     error feedback (see the module's docstring). Not annotated on purpose: DDP checks
     annotations against its own GradBucket/Future classes.
 
-    The error memory is the matrix itself: the bucket is added to it, and the approximation,
-    written straight into the bucket, is taken off it (no padded copy, no second matrix).
+    Both all-reduces are issued here, on the thread DDP calls the hook on, in bucket order: P's
+    is waited for (it is small), Q's is returned. Issuing Q's from P's completion callback, as
+    torch's hooks do, lets gloo's worker threads issue the buckets' collectives in a different
+    order on different ranks, and blocks those threads. The error memory is the matrix itself:
+    the bucket is added to it, and the approximation, written straight into the bucket, is
+    taken off it (no padded copy, no second matrix).
 
     Example::
 
@@ -96,36 +106,38 @@ def batched_powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
     index, numel = bucket.index(), buffer.numel()
     side = square_side(numel)
     rank = min(state.matrix_approximation_rank, side)
+    dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     memory = state.error.get(index)
-    if memory is None or memory.numel() != side * side or memory.device != buffer.device:
-        memory = state.error[index] = torch.zeros(side * side, device=buffer.device)
+    if memory is None or memory.numel() != side * side or memory.device != buffer.device \
+            or memory.dtype != dtype:
+        memory = state.error[index] = torch.zeros(side * side, device=buffer.device, dtype=dtype)
     memory[:numel].add_(buffer)                  # M = this step's gradients + last step's error
     matrix = memory.view(side, side)
     q = state.q.get(index)
-    if q is None or q.shape != (side, rank):
+    if q is None or q.shape != (side, rank) or q.dtype != dtype:
         gen = torch.Generator().manual_seed(state.seed + index)  # the same Q on every rank
-        q = torch.randn(side, rank, generator=gen).to(buffer.device)
+        q = torch.randn(side, rank, generator=gen, dtype=dtype).to(buffer.device)
     p = matrix @ _orthonormal(q)
-    p_fut = dist.all_reduce(p, group=group, async_op=True).get_future()
+    dist.all_reduce(p, group=group)              # P summed: waited for, so Q follows in order
+    p = _orthonormal(p)
+    q = matrix.t() @ p
+    q_fut = dist.all_reduce(q, group=group, async_op=True).get_future()
 
-    def after_p(fut: torch.futures.Future) -> torch.Tensor:
-        p_sum = _orthonormal(fut.value()[0])
-        q_new = matrix.t() @ p_sum
-        # blocks this callback's thread until Q is summed, as torch's hooks do
-        q_sum = dist.all_reduce(q_new, group=group, async_op=True).get_future().wait()[0]
-        q_sum.div_(world)
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        q_sum = fut.value()[0].div_(world)
         state.q[index] = q_sum
         # the approximation P Q^T: whole rows straight into the bucket, the last (partly
         # padding) rows apart; then taken off M, which is left holding the new error
         rows = numel // side
-        out = buffer if buffer.dtype == torch.float32 else torch.empty(numel, device=buffer.device)
-        torch.mm(p_sum[:rows], q_sum.t(), out=out[:rows * side].view(rows, side))
-        tail = (p_sum[rows:] @ q_sum.t()).view(-1)
+        out = buffer if buffer.dtype == dtype else torch.empty(numel, device=buffer.device,
+                                                               dtype=dtype)
+        torch.mm(p[:rows], q_sum.t(), out=out[:rows * side].view(rows, side))
+        tail = (p[rows:] @ q_sum.t()).view(-1)
         out[rows * side:].copy_(tail[:numel - rows * side])
-        memory[:numel].sub_(out)
-        memory[numel:].sub_(tail[numel - rows * side:])
         if out is not buffer:
-            buffer.copy_(out)
+            buffer.copy_(out)                    # rounded: what is sent is what is taken off
+        memory[:numel].sub_(buffer)
+        memory[numel:].sub_(tail[numel - rows * side:])
         return buffer
 
-    return p_fut.then(after_p)
+    return q_fut.then(decompress)

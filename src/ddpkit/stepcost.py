@@ -36,11 +36,15 @@ from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["Link", "LINKS", "ring_allreduce_seconds", "bandwidths", "fit_link", "buckets",
            "HookCost", "hook_cost", "square_side", "StepTime", "step_time", "FIRST_BUCKET",
-           "BUCKET_CAP", "GAIN"]
+           "BUCKET_CAP", "GAIN", "DEFAULT_RANKS"]
 
 #: DDP's bucket sizes: the first bucket is small so communication starts early.
 FIRST_BUCKET = 1 << 20
 BUCKET_CAP = 25 << 20
+#: PowerSGD's rank when none is given: torch's hook per tensor at 2; the batched one at 4 (one
+#: matrix for a whole bucket is coarser: rank 2 lost 0.8-2 points of top-1 on the built-in job,
+#: rank 4 none against the per-tensor rank 2; benchmarks/RESULTS.md).
+DEFAULT_RANKS = {"powersgd": 2, "powersgd-batched": 4}
 #: A hook must beat plain all-reduce by this much to be chosen: below it the gain is within
 #: noise, and compression changes the numerics for nothing.
 GAIN = 0.05

@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="between nodes: 10mbit, 100mbit, 1gbit, 10gbit, 25gbit, 100gbit, or "
                         "the JSON of ddpkit doctor --json (default 10gbit)")
     p.add_argument("--inside", default="100gbit", help="between ranks of one node (default 100gbit)")
-    p.add_argument("--powersgd-rank", type=int, default=2, help="PowerSGD's rank (default 2)")
+    p.add_argument("--powersgd-rank", type=int, default=None,
+                   help="PowerSGD's rank (default: 2 per tensor, 4 batched)")
     p.add_argument("--json", metavar="PATH", help="also write the prediction as JSON to PATH")
     p.set_defaults(func=_cmd_plan)
 
@@ -77,11 +78,12 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     from ..costprobe import measure_flops, measure_hook
     from ..plan.predict import HOOKS, model_workload, predict, synthetic_workload
     from ..plan.report import advice, as_json, assumptions, table
+    from ..stepcost import DEFAULT_RANKS
 
     nodes, link, inside = _nodes(ns.nodes), parse_link(ns.link), parse_link(ns.inside)
     for flag, value in (("--batch", ns.batch), ("--gpus-per-node", ns.gpus_per_node),
                         ("--powersgd-rank", ns.powersgd_rank)):
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     compute = ns.compute_ms / 1e3 if ns.compute_ms is not None else None
     if compute is not None and compute <= 0:
@@ -94,11 +96,11 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     else:
         work = model_workload(ns.model, ns.batch, compute)
     flops = measure_flops()
-    hooks = {h: measure_hook(work, h, ns.powersgd_rank) for h in HOOKS}
+    hooks = {h: measure_hook(work, h, ns.powersgd_rank or DEFAULT_RANKS.get(h, 2)) for h in HOOKS}
     rows = predict(work, nodes, link, ns.gpus_per_node, inside, rank=ns.powersgd_rank,
                    flops_per_s=flops, hook_seconds=hooks)
     print(table(rows))
-    for line in advice(rows):
+    for line in advice(rows, ns.powersgd_rank):
         print(line)
     for line in assumptions(work, link, hooks, inside):
         print(f"assumed: {line}")

@@ -15,6 +15,7 @@ from .. import autohook
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..lowrank import BatchedPowerSGD, batched_powersgd_hook
+from ..stepcost import DEFAULT_RANKS
 from ..wrap import WrapOptions
 from .base import Engine
 
@@ -88,7 +89,8 @@ def bf16_compress_any_backend(group, bucket):  # type: ignore[no-untyped-def]
 
 def register_comm_hook(model: DistributedDataParallel, name: str,
                        options: Optional[WrapOptions] = None) -> None:
-    """Compress ``model``'s gradient all-reduce: ``fp16``, ``bf16`` or ``powersgd``.
+    """Compress ``model``'s gradient all-reduce: ``fp16``, ``bf16``, ``powersgd`` or
+    ``powersgd-batched`` (:mod:`ddpkit.lowrank`).
 
     Example::
 
@@ -111,14 +113,15 @@ def comm_hook_for(name: str, options: Optional[WrapOptions] = None,
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     options = options or WrapOptions()
+    rank = options.powersgd_rank or DEFAULT_RANKS.get(name, 2)
     hooks: Dict[str, Callable[[], tuple]] = {
         "fp16": lambda: (group, default.fp16_compress_hook),
         "bf16": lambda: (group, default.bf16_compress_hook),
         "powersgd": lambda: (powersgd.PowerSGDState(
-            process_group=group, matrix_approximation_rank=options.powersgd_rank,
+            process_group=group, matrix_approximation_rank=rank,
             start_powerSGD_iter=options.powersgd_start_iter), powersgd.powerSGD_hook),
         "powersgd-batched": lambda: (BatchedPowerSGD(
-            group, options.powersgd_rank, options.powersgd_start_iter), batched_powersgd_hook),
+            group, rank, options.powersgd_start_iter), batched_powersgd_hook),
     }
     if name not in hooks:
         raise ConfigError(f"unknown comm hook {name!r}; choose one of {', '.join(COMM_HOOKS)}")

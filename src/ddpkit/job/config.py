@@ -82,8 +82,9 @@ class TrainConfig:
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm when world size > 1")
     comm_hook: Optional[str] = _opt(None, "gradient compression (horovod: fp16 only)",
                                     COMM_HOOKS)
-    powersgd_rank: int = _opt(2, "PowerSGD's matrix rank (powersgd, powersgd-batched; auto "
-                                 "chooses its own)", least=1)
+    powersgd_rank: Optional[int] = _opt(None, "PowerSGD's matrix rank (default: 2 for powersgd, "
+                                              "4 for powersgd-batched; auto chooses its own)",
+                                        least=1)
     powersgd_start_iter: int = _opt(10, "PowerSGD: plain all-reduce for the first N steps "
                                         "(powersgd, powersgd-batched)", least=2)
     find_unused_parameters: bool = _opt(False, "DDP find_unused_parameters")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..costprobe import Workload, measure_compute, workload_of
-from ..stepcost import GAIN, Link, StepTime, step_time
+from ..stepcost import DEFAULT_RANKS, GAIN, Link, StepTime, step_time
 
 __all__ = ["Row", "synthetic_workload", "model_workload", "predict", "recommend", "HOOKS", "GAIN"]
 
@@ -70,12 +70,14 @@ class Row:
 
 
 def predict(work: Workload, nodes: Sequence[int], link: Link, per_node: int = 1,
-            inside: Optional[Link] = None, hooks: Sequence[str] = HOOKS, rank: int = 2,
+            inside: Optional[Link] = None, hooks: Sequence[str] = HOOKS,
+            rank: Optional[int] = None,
             flops_per_s: float = 1e11,
             hook_seconds: Optional[Dict[str, float]] = None) -> List[Row]:
     """Every node count x hook. Ranks on one node talk over ``inside`` (default ``link``);
     across nodes the ring runs at the slower ``link``; ``hook_seconds`` the hooks' own compute
-    as :func:`measure_hook` measured it.
+    as :func:`measure_hook` measured it; ``rank`` PowerSGD's (default: each hook's own,
+    ``stepcost.DEFAULT_RANKS``).
 
     Example::
 
@@ -87,8 +89,9 @@ def predict(work: Workload, nodes: Sequence[int], link: Link, per_node: int = 1,
         ranks = count * per_node
         over = link if count > 1 else (inside or link)
         for hook in hooks:
-            step = step_time(work.compute_s, work.bucket_shapes, ranks, over, hook, rank,
-                             flops_per_s, hook_s=(hook_seconds or {}).get(hook))
+            step = step_time(work.compute_s, work.bucket_shapes, ranks, over, hook,
+                             rank or DEFAULT_RANKS.get(hook, 2), flops_per_s,
+                             hook_s=(hook_seconds or {}).get(hook))
             rows.append(Row(count, ranks, hook, step, ranks * work.batch / step.total,
                             alone / step.total))
     return rows
@@ -96,8 +99,9 @@ def predict(work: Workload, nodes: Sequence[int], link: Link, per_node: int = 1,
 
 def recommend(rows: Sequence[Row]) -> Dict[int, Tuple[str, float]]:
     """Per node count: the hook to use and its gain over plain all-reduce (0 for "none"): the
-    first in :data:`HOOKS` order within 5% of the fastest (as ``comm_hook="auto"`` chooses: the
-    simpler, then the finer approximation, where the difference is within the model's noise).
+    first in :data:`HOOKS` order within 5% of the fastest, as ``comm_hook="auto"`` chooses (the
+    simpler, then the finer approximation, where the difference is within the model's noise;
+    "none" when plain all-reduce is within 5%).
 
     Example::
 
@@ -111,5 +115,5 @@ def recommend(rows: Sequence[Row]) -> Dict[int, Tuple[str, float]]:
         fastest = max(r.samples_per_s for r in mine)
         pick = next(r for r in mine if r.samples_per_s * (1 + GAIN) >= fastest)
         gain = pick.samples_per_s / plain.samples_per_s - 1
-        out[nodes] = (pick.hook, gain) if gain > GAIN else ("none", 0.0)
+        out[nodes] = (pick.hook, gain) if pick.hook != "none" else ("none", 0.0)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..costprobe import Workload
 from ..stepcost import Link
@@ -28,8 +28,9 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def advice(rows: Sequence[Row]) -> List[str]:
-    """One line per node count: the hook to use and why. Example::
+def advice(rows: Sequence[Row], rank: Optional[int] = None) -> List[str]:
+    """One line per node count: the hook to use and why (with ``--powersgd-rank`` when the rows
+    were predicted at a ``rank`` of the user's, not each hook's default). Example::
 
         advice(rows)   # ['2 nodes: bf16 (+31% samples/s over plain all-reduce)', ...]
     """
@@ -40,8 +41,9 @@ def advice(rows: Sequence[Row]) -> List[str]:
         else:
             risk = "; PowerSGD approximates the gradients: check the accuracy" \
                 if hook.startswith("powersgd") else ""
-            out.append(f"{nodes} node(s): --comm-hook {hook} (+{gain:.0%} samples/s over plain "
-                       f"all-reduce{risk})")
+            flag = f" --powersgd-rank {rank}" if rank and hook.startswith("powersgd") else ""
+            out.append(f"{nodes} node(s): --comm-hook {hook}{flag} (+{gain:.0%} samples/s over "
+                       f"plain all-reduce{risk})")
     return out
 
 
