@@ -11,12 +11,12 @@ step-time model (``ddpkit.stepcost``) needs, on this machine and this link:
   gradient shapes over a process group of one rank and, where short, over the real link (casts
   for bf16; error feedback, P = MQ, orthogonalisation, Q = M^T P and the per-tensor Python work
   for torch's PowerSGD, ranks 4 and 2; the same on one square matrix per bucket for the batched
-  PowerSGD of ``ddpkit.lowrank``, rank 4).
+  PowerSGD of ``ddpkit.lowrank``, ranks 8 and 4).
 
 The slowest rank's figures are agreed by all-reduce, so every rank makes the same choice: the
-first of none, bf16, PowerSGD rank 4, rank 2, batched PowerSGD rank 4 whose predicted step is
-within 5% (and 1 ms) of the fastest (compression that does not pay is not used; a higher rank,
-and a rank per tensor, are closer to exact). When it compresses and a hook of another kind is
+first of none, bf16, PowerSGD rank 4, rank 2, batched PowerSGD rank 8, rank 4 whose predicted
+step is within 5% (and 1 ms) of the fastest (compression that does not pay is not used; a
+higher rank, and a rank per tensor, are closer to exact). When it compresses and a hook of another kind is
 predicted within 2x of it, both are tried on the first real steps (``ddpkit.hooktrial``: in
 turns, twice 1 + 3 steps each) and the faster is kept: the model's error cannot then cost more
 than those steps. Two PowerSGDs are never tried against each other (each keeps an error memory
@@ -42,11 +42,12 @@ __all__ = ["Choice", "choose", "probe_link", "measure_step", "install", "choice_
 
 #: PowerSGD ranks considered, the higher first (closer to the exact gradient).
 POWERSGD_RANKS = (4, 2)
-#: Batched PowerSGD's ranks considered: one low-rank matrix for a whole bucket is a coarser
-#: approximation than a rank per tensor. On the built-in job (batch 256) rank 4 trained as well
-#: as the per-tensor rank 2 (top-1 99.72 / 99.63 averaged over 3 seeds, uncompressed 99.91) and
-#: rank 2 lost 2 points (97.95): benchmarks/plan/accuracy.sh, benchmarks/RESULTS.md.
-BATCHED_RANKS = (4,)
+#: Batched PowerSGD's ranks considered, the higher first: one low-rank matrix for a whole bucket
+#: is a coarser approximation than a rank per tensor. On the built-in job (3 seeds) rank 4
+#: trained about as the per-tensor rank 2 (top-1 99.72 / 99.63 at batch 256, 99.35 / 99.72 at
+#: 64), rank 8 as well (99.63, 99.72), and rank 2 lost 0.8-2 points: benchmarks/plan/accuracy.sh,
+#: benchmarks/RESULTS.md.
+BATCHED_RANKS = (8, 4)
 #: Every (hook, PowerSGD rank) ``auto`` considers, in its order of preference when they tie:
 #: the per-tensor PowerSGD before the batched one (cheaper to compute and to send).
 OPTIONS = [("none", 0), ("bf16", 0)] + [("powersgd", r) for r in POWERSGD_RANKS] + \
