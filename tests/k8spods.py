@@ -159,13 +159,21 @@ class PodCluster(Cluster):
         threading.Thread(target=kill_late, daemon=True).start()
 
     def run_job(self, cwd: str, timeout: float, order=None, delay: float = 0.0,
-                on_tick=None) -> bool:
-        """The Job controller: start every pod (in ``order``, ``delay`` s apart), start a failed
-        one again (an eviction does not count against backoffLimit when the failure policy
-        says so) until every index succeeded; False if the backoff limit was passed."""
+                on_tick=None, start_when=None) -> bool:
+        """The Job controller: start every pod (in ``order``, ``delay`` s apart, or each after
+        the first once ``start_when(self)`` holds: an event, not a guess of how long a start
+        takes on a loaded machine), start a failed one again (an eviction does not count against
+        backoffLimit when the failure policy says so) until every index succeeded; False if the
+        backoff limit was passed."""
         for k, i in enumerate(order or range(self.nodes)):
             if k:
                 time.sleep(delay)
+                gate = time.monotonic() + timeout
+                while start_when is not None and not start_when(self):
+                    if time.monotonic() > gate:
+                        raise TimeoutError("the condition to start pod %d never held:\n%s"
+                                           % (i, self.tails()))
+                    time.sleep(0.1)
             self.start_pod(i, cwd)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

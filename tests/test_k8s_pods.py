@@ -66,8 +66,11 @@ def test_an_indexed_job_trains_on_two_pods_like_two_local_processes(tmp_path, re
     assert "--node-rank" in job.pods[1].command and job.pods[1].command[
         job.pods[1].command.index("--node-rank") + 1] == "1"  # $(JOB_COMPLETION_INDEX), expanded
     with PodCluster(job, tmp_path / "pods", ddpkit_bin()) as c:
-        # pod 1 first: pod 0's DNS name (the rendezvous) does not resolve until it starts
-        assert c.run_job(str(ROOT), timeout=240, order=[1, 0], delay=3), c.tails()
+        # pod 1 first: pod 0's DNS name (the rendezvous) does not resolve until it starts;
+        # pod 0 starts once pod 1 says it waits (a fixed 3 s was not always enough for pod 1 to
+        # get that far on a loaded machine: pod 0 had started by then, and nothing waited)
+        assert c.run_job(str(ROOT), timeout=240, order=[1, 0],
+                         start_when=lambda c: "to resolve" in c.output(1)), c.tails()
         assert c.starts == [1, 1] and c.failures == 0
         assert "waiting up to 600 s for the rendezvous host train-0.train to resolve" in \
             c.output(1)
