@@ -98,11 +98,11 @@ def batched_powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:   # warm-up: uncompressed, averaged
-        state._advance(bucket)
+    warm_up = state.iter < state.start_powerSGD_iter
+    state._advance(bucket)
+    if warm_up:                                  # uncompressed, averaged
         fut = dist.all_reduce(buffer.div_(world), group=group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
-    state._advance(bucket)
     index, numel = bucket.index(), buffer.numel()
     side = square_side(numel)
     rank = min(state.matrix_approximation_rank, side)
