@@ -18,9 +18,11 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from . import probe_watch as watch
 from .microsteps import HoldBack
 
-__all__ = ["VERIFY_VAR", "STEPS_VAR", "ORDER_VAR", "ACCUM_VAR", "Probe", "start", "active", "reverse_batch"]
+__all__ = ["VERIFY_VAR", "STEPS_VAR", "ORDER_VAR", "ACCUM_VAR", "EVAL_VAR", "Probe", "start",
+           "active", "reverse_batch"]
 
 #: The directory each rank writes ``rank{R}.jsonl`` into; set by ``ddpkit verify``.
 VERIFY_VAR = "DDPKIT_VERIFY"
@@ -32,6 +34,9 @@ ORDER_VAR = "DDPKIT_VERIFY_ORDER"
 #: K > 1 on one process: ``rt.loader`` hands out K ranks' batches in turn and every K-th
 #: optimizer step (zero_grad, scheduler step, clipping) happens, the others are accumulated.
 ACCUM_VAR = "DDPKIT_VERIFY_ACCUM"
+#: E > 0: after the recorded steps, train on for up to E more optimizer steps until the
+#: script's first evaluation has ended (what it evaluated and printed is then compared).
+EVAL_VAR = "DDPKIT_VERIFY_EVAL_WITHIN"
 
 _ACTIVE: Optional["Probe"] = None
 
@@ -61,7 +66,8 @@ def start(rank: int, world_size: int, environ: Any = None,
         return _ACTIVE
     _ACTIVE = Probe(directory, rank, world_size, int(environ.get(STEPS_VAR, "10")),
                     environ.get(ORDER_VAR) == "reverse", seeded,
-                    int(environ.get(ACCUM_VAR, "1")) if world_size == 1 else 1)
+                    int(environ.get(ACCUM_VAR, "1")) if world_size == 1 else 1,
+                    int(environ.get(EVAL_VAR, "0")))
     _ACTIVE.install()
     return _ACTIVE
 
@@ -89,8 +95,10 @@ class Probe:
     """
 
     def __init__(self, directory: str, rank: int, world_size: int, steps: int,
-                 reverse: bool = False, seeded: bool = True, accum: int = 1) -> None:
+                 reverse: bool = False, seeded: bool = True, accum: int = 1,
+                 eval_within: int = 0) -> None:
         self.rank, self.world_size, self.steps, self.reverse = rank, world_size, steps, reverse
+        self.eval_within = eval_within    # steps to train on to reach the first evaluation
         self.accum = accum                # micro-batches per optimizer step (one process)
         self._hold: Optional[HoldBack] = None  # accum > 1: optimizer steps held back
         self._loss_scale = 1.0            # GradScaler's factor on the next backward's loss
@@ -107,6 +115,13 @@ class Probe:
         self._after_batch: Optional[List[torch.Tensor]] = None  # RNGs as a batch was handed out
         self._dtypes: set = set()         # autocast dtypes seen in a forward
         self._models: List[nn.Module] = []
+        self._trained: set = set()        # ids of the models a training forward ran through
+        self._rows: List[int] = []        # checksums of the samples this step's forwards got
+        self._loss_counts: List[List[Any]] = []  # (reduction, targets) of each loss call
+        self._eval: Optional[List[int]] = None  # an evaluation in progress: its samples
+        self._evals = 0                   # evaluations ended
+        self._counts = {"batches": 0, "forwards": 0, "rows": 0}
+        self._stepped_since_forward = True  # the next training forward starts a step
         self._write({"event": "start", "rank": rank, "world_size": world_size,
                      "seed": torch.initial_seed(), "seeded": seeded, "accum": accum,
                      "argv": sys.argv})
@@ -155,6 +170,14 @@ class Probe:
         if self.accum > 1:
             self._hold = HoldBack(self.accum)
             self._hold.install()
+        pairs = watch.watch_collectives(self._collective, self._gradients) + \
+            watch.watch_losses(lambda reduction, n: self._loss_counts.append([reduction, n]))
+        for original, replacement in pairs:
+            _rebind(original, replacement)  # `from torch.distributed import all_reduce`
+        sys.stdout = watch.PrintTee(sys.stdout, lambda line: self._write(
+            {"event": "print", "text": line, "step": self.step}))
+        import atexit
+        atexit.register(self._exit)
 
     def _watch_loss_scale(self) -> None:
         """GradScaler.scale(loss): remember the factor, so the loss recorded is the loss."""
@@ -178,14 +201,21 @@ class Probe:
                     and m.p > 0]
         for m in dropouts:
             m.p = 0.0
+        attention = watch.quiet_attention(module, self._sdpa_off)
         norms = [type(m).__name__ for m in module.modules()
                  if isinstance(m, nn.modules.batchnorm._BatchNorm)
                  and not isinstance(m, nn.SyncBatchNorm)]
-        module.register_forward_pre_hook(self._before_forward)
+        module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         module.register_forward_hook(self._after_forward)
         self._models.append(module)
         self._write({"event": "model", "type": type(module).__name__, "dropouts_off":
-                     len(dropouts), "batchnorms": len(norms)})
+                     len(dropouts), "attention_dropouts_off": attention,
+                     "batchnorms": len(norms)})
+
+    def _sdpa_off(self) -> None:
+        if not getattr(self, "_said_sdpa", False):
+            self._said_sdpa = True
+            self._write({"event": "sdpa_dropout_off"})
 
     def claim_loader(self) -> bool:
         """True for the script's first ``rt.loader`` (the training data): the one whose batches
@@ -204,32 +234,68 @@ class Probe:
     def batch(self, indices: List[int], last: bool) -> None:
         """``rt.loader`` handed out a batch of these samples (``last``: the epoch's last)."""
         self._indices.extend(int(i) for i in indices)
-        self._after_batch = _rng()
+        self._counts["batches"] += 1
+        self._after_batch = watch.rng()
         if last:
             self._write({"event": "epoch_end", "step": self.step})
 
     # ------------------------------------------------------------------ hooks
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        module._ddpkit_rng = _rng()
-        if self._after_batch is not None and not _same(self._after_batch, module._ddpkit_rng):
+    def _before_forward(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        rows = watch.row_digests(watch.first_tensor((args, kwargs or {})))
+        if not module.training or not torch.is_grad_enabled():  # an evaluation
+            if id(module) in self._trained:
+                self._eval = (self._eval or []) + rows
+            module._ddpkit_rng = None  # draws in an evaluation are not training's
+            return
+        self._end_evaluation()
+        self._trained.add(id(module))
+        if self._stepped_since_forward and self.step == 0:  # the model as training starts
+            param = next(module.parameters(), None)
+            self._write({"event": "state", "step": 1, "digests":
+                         watch.state_digests(self._models),
+                         "device": param.device.type if param is not None else "cpu"})
+        self._stepped_since_forward = False
+        self._rows.extend(rows)
+        self._counts["forwards"] += 1
+        self._counts["rows"] += len(rows)
+        module._ddpkit_rng = watch.rng()
+        if self._after_batch is not None and \
+                not watch.same(self._after_batch, module._ddpkit_rng):
             self._random_loop = True      # noise, mixup, a random crop in the loop itself
         self._after_batch = None
-        dtype = _autocast_dtype()
+        dtype = watch.autocast_dtype()
         if dtype is not None and dtype not in self._dtypes:
             self._dtypes.add(dtype)
             self._write({"event": "autocast", "dtype": dtype})
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         before = getattr(module, "_ddpkit_rng", None)
-        if before is not None and not _same(before, _rng()):
+        if before is not None and not watch.same(before, watch.rng()):
             self._random_forward = True
 
+    def _end_evaluation(self) -> None:
+        if self._eval is not None:
+            self._write({"event": "eval", "index": self._evals, "step": self.step,
+                         "rows": self._eval})
+            self._eval, self._evals = None, self._evals + 1
+
+    def _gradients(self) -> Dict[int, str]:
+        """The parameters' gradient tensors by id: a collective on one of them is the script
+        reducing gradients itself."""
+        return {id(p.grad): name for m in self._models for name, p in m.named_parameters()
+                if p.grad is not None}
+
+    def _collective(self, event: Dict[str, Any]) -> None:
+        self._write({**event, "step": self.step, "phase": "eval" if self._eval is not None
+                     else "train"})
+
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._end_evaluation()
         if self._hold is not None:
             self._hold.check(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         norm = self._clipped if self._clipped is not None else \
-            _norm(p.grad for p in params if p.grad is not None)  # clipping measured it already
+            watch.norm(p.grad for p in params if p.grad is not None)  # clipping measured it
         self._grad = {"grad_norm": norm,
                       "no_grad": [self._name(p, i) for i, p in enumerate(params)
                                   if p.grad is None]}
@@ -243,21 +309,50 @@ class Probe:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step += 1
-        params = [p.detach() for group in optimizer.param_groups for p in group["params"]]
-        record = {"event": "step", "step": self.step, "samples": self._indices,
-                  "losses": self._losses, "lr": _number(optimizer.param_groups[0].get("lr")),
-                  "random_forward": self._random_forward, "random_loop": self._random_loop,
-                  "param_sums": [float(p.sum(dtype=torch.float64)) for p in params],
-                  "param_norm": _norm(params),
-                  **self._grad}
-        self._write(record)
-        self._indices, self._losses, self._clipped = [], [], None
+        self._stepped_since_forward = True
+        if self.step <= self.steps:
+            params = [p.detach() for group in optimizer.param_groups for p in group["params"]]
+            self._write({"event": "step", "step": self.step, "samples": self._indices,
+                         "losses": self._losses,
+                         "lr": watch.number(optimizer.param_groups[0].get("lr")),
+                         "random_forward": self._random_forward,
+                         "random_loop": self._random_loop,
+                         "param_sums": [float(p.sum(dtype=torch.float64)) for p in params],
+                         "param_norm": watch.norm(params), "rows": self._rows,
+                         "loss_counts": self._loss_counts, **self._grad})
+        self._indices, self._losses, self._clipped, self._rows = [], [], None, []
+        self._loss_counts = []
         self._random_forward = self._random_loop = False
-        if self.step >= self.steps:
+        if self.step >= self.steps and (self.step >= self.steps + self.eval_within or
+                                        self._evaluated_everywhere(optimizer)):
             self._finish()
+
+    def _evaluated_everywhere(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Has some rank ended an evaluation? Asked of every rank at the same step, so all
+        of them stop together (a rank-0-only evaluation included)."""
+        done = torch.tensor([float(self._evals)])
+        import torch.distributed as tdist
+        if tdist.is_available() and tdist.is_initialized() and self.world_size > 1:
+            param = next((p for g in optimizer.param_groups for p in g["params"]), None)
+            device = param.device if param is not None and tdist.get_backend() == "nccl" \
+                else torch.device("cpu")
+            done = done.to(device)
+            reduce = getattr(tdist.all_reduce, "__wrapped__", tdist.all_reduce)
+            reduce(done, op=tdist.ReduceOp.MAX)
+        return float(done) > 0
+
+    def _exit(self) -> None:
+        """The script ended by itself: what it did without an optimizer step counts too."""
+        if self._out.closed:
+            return
+        self._end_evaluation()
+        self._write({"event": "exit", "step": self.step, **self._counts})
+        self._out.close()
 
     def _finish(self) -> None:
         """Enough steps: end this rank now, as every rank does after the same step."""
+        self._end_evaluation()
+        self._write({"event": "exit", "step": self.step, **self._counts})
         self._write({"event": "done", "step": self.step})
         self._out.close()
         with contextlib.suppress(Exception):
@@ -278,43 +373,6 @@ class Probe:
 
     def _write(self, record: Dict[str, Any]) -> None:
         self._out.write(json.dumps(record) + "\n")
-
-
-def _number(value: Any) -> Optional[float]:
-    """A learning rate as a float (it may be a tensor), or None."""
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-
-
-def _rng() -> List[torch.Tensor]:
-    """The CPU generator's state, and the current GPU's once CUDA is in use (dropout on a GPU
-    draws from that one)."""
-    states = [torch.random.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.append(torch.cuda.get_rng_state())
-    return states
-
-
-def _same(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def _autocast_dtype() -> Optional[str]:
-    """"bfloat16"/"float16" inside an autocast region (CPU or GPU), else None."""
-    for device in ("cuda", "cpu"):
-        try:
-            if torch.is_autocast_enabled(device):
-                return str(torch.get_autocast_dtype(device)).replace("torch.", "")
-        except (TypeError, AttributeError, RuntimeError):  # torch < 2.4 spells it otherwise
-            return None
-    return None
-
-
-def _norm(tensors: Any) -> float:
-    """The 2-norm of all ``tensors`` together, in float64, one tensor at a time."""
-    return sum(float(t.detach().double().norm()) ** 2 for t in tensors) ** 0.5
 
 
 def _divided(tensors: Any, grads: Any, k: int) -> Any:

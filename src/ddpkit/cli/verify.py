@@ -27,6 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="on 1 process, accumulate K micro-batches per step, the batches of K "
                         "ranks (K = N: the same micro-batch as on N; for BatchNorm models and "
                         "scripts that step on every batch)")
+    p.add_argument("--eval-within", type=int, default=200, metavar="E",
+                   help="after the compared steps, train on for up to E more to reach the "
+                        "script's first evaluation and compare what it evaluated and printed "
+                        "(default 200; 0: do not)")
     p.add_argument("--timeout", type=float, default=900, metavar="S",
                    help="stop a run (and its ranks) still going after S s (default 900)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
@@ -47,7 +51,7 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
     if ns.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
     verdict = verify(ns.script, ns.script_args, ns.nproc, ns.steps, timeout=ns.timeout,
-                     accum=ns.accum_steps)
+                     accum=ns.accum_steps, eval_within=ns.eval_within)
     print(table(verdict, ns.nproc))
     print(summary(verdict, ns.nproc, ns.script, ns.accum_steps), flush=True)
     if ns.json:

@@ -57,10 +57,13 @@ class Verdict:
     first_divergent: Optional[int] = None
     cause: str = ""                      # short name of the diagnosis
     why: str = ""                        # one sentence: what differs and what to do
-    notes: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)  # what a PASS compared and did not
+    evidence: List[str] = field(default_factory=list)  # what was observed for the cause
     autocast: List[str] = field(default_factory=list)  # low-precision dtypes seen
     floor: float = FLOOR                 # the least and the widest tolerance applied
     ceiling: float = CEILING
+    nondeterministic: bool = False       # one process run twice already differed
+    band: float = FLOOR                  # the tolerance at the first divergent step
 
 
 def relative(a: float, b: float) -> float:
@@ -100,16 +103,25 @@ def _spread(one: RunRecord, other: Optional[RunRecord]) -> List[float]:
 
 
 def compare(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord] = None,
-            again: Optional[RunRecord] = None) -> Verdict:
+            again: Optional[RunRecord] = None, steps: Optional[int] = None,
+            eval_within: int = 0) -> Verdict:
     """Compare ``many`` (N processes) with ``one`` (1 process) step by step; ``reordered`` (one
     process, batches reversed) sets the tolerance, ``again`` (one process, repeated) tells
-    non-determinism apart.
+    non-determinism apart; ``steps`` were asked for, ``eval_within`` more were allowed to reach
+    the first evaluation.
 
     Example::
 
         verdict = compare(load("v/n1"), load("v/n2"), load("v/r1"), load("v/a1"))
     """
-    from .diagnose import diagnose, loader_mismatch  # the causes, by what differs first
+    verdict = _steps(one, many, reordered, again)
+    _explain(verdict, one, many, again, steps, eval_within)
+    return verdict
+
+
+def _steps(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord],
+           again: Optional[RunRecord]) -> Verdict:
+    """The step-by-step table and its first divergent step (not yet explained)."""
 
     # Two runs of one process that differ only by the last bits (GPU atomics) widen the band;
     # anything above the floor is non-determinism.
@@ -136,14 +148,50 @@ def compare(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord] = No
             first = i
     verdict = Verdict(passed=first is None and not nondeterministic, steps=rows, largest=largest,
                       autocast=dtypes, floor=floor, ceiling=ceiling)
-    if verdict.passed:  # the steps agree, but the loaders differ where they were not compared
+    verdict.first_divergent = rows[first]["step"] if first is not None else None
+    verdict.nondeterministic = nondeterministic
+    verdict.band = band[first] if first is not None else floor
+    return verdict
+
+
+def _explain(verdict: Verdict, one: RunRecord, many: RunRecord, again: Optional[RunRecord],
+             steps: Optional[int], eval_within: int) -> None:
+    """Name the cause on its evidence: whole-run facts first (no step on N, every rank on the
+    same samples, ranks holding different models), then the first divergent step, then what
+    a run that agrees step by step can still get wrong (its data later, its evaluation, the
+    metric it prints)."""
+    from . import evidence, metrics
+    from .diagnose import diagnose, loader_mismatch  # the causes, by what differs first
+
+    nondeterministic = verdict.nondeterministic
+    found = None if nondeterministic else (
+        evidence.no_steps(one, many, steps or len(one.steps)) or evidence.same_samples(many)
+        or evidence.ranks_differ(many))
+    if found is None and (nondeterministic or verdict.first_divergent is not None):
+        index = next(i for i, r in enumerate(verdict.steps)
+                     if r["step"] == verdict.first_divergent) \
+            if verdict.first_divergent is not None else None
+        cause, why = diagnose(one, many, index, again if nondeterministic else None,
+                              verdict.band)
+        facts = evidence.repeat_facts(one, again) if nondeterministic and again else \
+            evidence.step_facts(one, many, index)
+        found = (cause, why, facts)
+    if found is None:  # the steps agree: the data later, the evaluation, a printed metric
         later = loader_mismatch(one, many, "the steps compared agree but the data differs "
                                            "later (another epoch, its end)")
-        if later is not None:
-            verdict.passed, (verdict.cause, verdict.why) = False, later
-    if nondeterministic or first is not None:
-        verdict.first_divergent = rows[first]["step"] if first is not None else None
-        verdict.cause, verdict.why = diagnose(one, many, first, again if nondeterministic else None,
-                                              band[first] if first is not None else floor)
-    return verdict
+        found = (*later, ["rt.loader's settings per rank: " + "; ".join(
+            str(loader) for loader in many.loaders)]) if later else None
+        found = found or evidence.evaluation(one, many) or metrics.summed_metric(one, many)
+    if found is not None:
+        verdict.passed = False
+        verdict.cause, verdict.why, verdict.evidence = found
+        if verdict.cause in ("no-steps", "same-samples", "ranks-differ", "evaluation",
+                             "metric-summed"):
+            verdict.first_divergent = None
+        return
+    verdict.notes = evidence.what_was_compared(one, many, eval_within)
+    twice = evidence.gradient_collectives(many)
+    if twice:
+        verdict.notes.append(f"the script reduces gradients itself at {twice[0]['site']} on "
+                             "top of DDP: no effect on the result here, twice the traffic")
 

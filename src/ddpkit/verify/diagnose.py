@@ -1,6 +1,8 @@
 """Why N processes do not compute what one does: the first thing that differs at the first
-divergent step names the cause (samples, then the loss before any update differs, then the
-gradients, then the step), using what the probe saw on every rank.
+divergent step names the cause (samples, what the forward received, then the loss before any
+update differs, then the gradients, then the step), using what the probe saw on every rank. A
+cause is named only on its own evidence; with none, the verdict is ``unexplained`` and says
+which quantity differs first.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def diagnose(one: RunRecord, many: RunRecord, index: Optional[int],
     if again is not None:
         return _nondeterministic(one, again)
     a, b = one.steps[index], many.steps[index]
-    for check in (_wrong_micro_step, _samples, _update):  # exact: no tolerance
+    for check in (_wrong_micro_step, _samples, _received, _update):  # exact: no tolerance
         found = check(one, many, a, b)
         if found is not None:
             return found
@@ -35,12 +37,33 @@ def diagnose(one: RunRecord, many: RunRecord, index: Optional[int],
         found = within(one, many, a, b, tolerance)
         if found is not None:
             return found
-    return ("unknown", f"step {a.step} differs but the samples, the loss, the gradient norm and "
-                       "the learning rate agree: something outside the optimizer's parameters "
-                       "changes the model")
+    return ("unexplained", f"step {a.step}: the parameters after the step differ while the "
+                           "samples, the loss, the gradient norm and the learning rate agree: "
+                           "look at what changes parameters outside the optimizer's step (an "
+                           "EMA, a manual update, weight decay applied by hand)")
 
 
 def _nondeterministic(one: RunRecord, again: RunRecord) -> Diagnosis:
+    """One process run twice differs: what differed first between the two runs names why."""
+    if one.states and again.states and one.states[0] != again.states[0]:
+        names = [k for k in one.states[0] if one.states[0][k] != again.states[0].get(k)]
+        if not one.seeded:
+            return ("unseeded", f"one process run twice already differs: the model starts "
+                                f"differently ({names[0]!r} among {len(names)}) and the script "
+                                "does not seed: pass ddpkit.setup(seed=0)")
+        return ("init-unseeded", f"one process run twice starts from different models "
+                                 f"({names[0]!r} among {len(names)} tensors) though setup() is "
+                                 "seeded: the initialisation draws from a generator of its own "
+                                 "(NumPy, a torch.Generator, a clock): seed it or draw from torch")
+    for a, b in zip(one.steps, again.steps):
+        if a.received() != b.received():
+            differ = sum((Counter(a.received()) - Counter(b.received())).values())
+            return ("data-unseeded", f"one process run twice feeds the model other samples at "
+                                     f"step {a.step} ({differ} of {len(a.received())} differ): "
+                                     "the data order or augmentation draws from an unseeded "
+                                     "generator (a torch.Generator or randperm without "
+                                     "manual_seed, a clock): seed it, or take the batches from "
+                                     "rt.loader(dataset, batch_size, seed=0)")
     if not one.seeded or sorted(set(one.seeds)) != sorted(set(again.seeds)):
         return ("unseeded", "one process run twice already differs, and the script does not "
                             "seed (Python's and NumPy's generators start from a fresh seed each "
@@ -48,14 +71,22 @@ def _nondeterministic(one: RunRecord, again: RunRecord) -> Diagnosis:
     step = next((a.step for a, b in zip(one.steps, again.steps)
                  if (a.loss, a.grad_norm, a.lr, a.param_sums) !=
                  (b.loss, b.grad_norm, b.lr, b.param_sums)), 1)
-    return ("nondeterministic", f"one process run twice with the same seed already differs at "
-                                f"step {step}: non-deterministic kernels (atomics on a GPU, "
-                                "cuDNN autotuning); pass ddpkit.setup(deterministic=True) and "
-                                "verify again")
+    if one.device == "cuda":
+        return ("nondeterministic", f"one process run twice with the same seed, model and "
+                                    f"samples already differs at step {step} on the GPU: "
+                                    "non-deterministic kernels (atomics, cuDNN autotuning); "
+                                    "pass ddpkit.setup(deterministic=True) and verify again")
+    return ("unexplained", f"one process run twice with the same seed, the same starting model "
+                           f"and the same samples already differs at step {step} on the "
+                           f"{one.device}: something in the script is not repeatable (a "
+                           "random draw outside torch's seeded generator, a clock, a file it "
+                           "changes); look at what differs between two runs of it")
 
 
 def _samples(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diagnosis]:
     if a.samples is None or b.samples is None:
+        if a.received() or b.received():  # compared by what the forward received
+            return None
         if one.foreign_loader or many.foreign_loader:
             return ("own-sampler", "the batches do not come from rt.loader (a DataLoader or "
                                    "sampler of the script's own), so ddpkit cannot split them "
@@ -77,6 +108,37 @@ def _samples(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diag
         else ""
     return ("samples", f"step {a.step} uses other samples: {missing} of the 1-process step's "
                        f"{len(a.samples)} are missing and {extra} others taken{tail}")
+
+
+def _received(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diagnosis]:
+    """What the model's forward received differs, beyond the loader's samples."""
+    got_a, got_b = a.received(), b.received()
+    if got_a == got_b or not got_a and not got_b:
+        return None
+    n = many.world_size
+    counts = (f"{len(got_a)} sample(s) on 1 process and {len(got_b)} on {n} "
+              f"({', '.join(str(len(r)) for r in b.rows)} per rank)")
+    if a.random_loop or b.random_loop:
+        return _loop_randomness(a)
+    if a.samples is not None and b.samples is not None:  # the loader agreed
+        return ("data-path", f"step {a.step}: rt.loader handed out the same {len(a.samples)} "
+                             f"samples on 1 and {n} processes, but the model's forward received "
+                             f"{counts}: something between the loader and the model changes a "
+                             "rank's batch (a collate_fn that trims or pads per batch, a filter "
+                             "or transform in the loop); make it work per sample")
+    common = sum((Counter(got_a) & Counter(got_b)).values())
+    if one.foreign_loader or many.foreign_loader:
+        return ("own-sampler", f"step {a.step}: the model received {counts}, {common} in "
+                               "common: the batches come from a DataLoader or sampler of the "
+                               "script's own, which does not split the 1-process batch over "
+                               "the ranks (a per-process batch_size, another order): use "
+                               "rt.loader(dataset, global_batch_size)")
+    return ("own-sampler", f"step {a.step}: the model received {counts}, {common} in common: "
+                           "the script draws its batches itself, not from rt.loader (random "
+                           "windows or indices per rank, as nanoGPT does): N processes train "
+                           "on other samples than 1 by design, equal only in distribution; to "
+                           "compare exactly, take the batches from rt.loader(dataset, "
+                           "global_batch_size)")
 
 
 _ADVICE = {"global_batch": "give rt.loader the global batch (batch_size=), not a per-rank one "
@@ -132,12 +194,7 @@ def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step,
                                      f"{many.world_size} ({k_many} each): the accumulation does "
                                      f"not divide each micro-batch's loss by their number")
     if a.random_loop or b.random_loop:
-        return ("loop-randomness", f"step {a.step}: the training loop draws random numbers "
-                                   "between the batch and the forward (noise, mixup, a random "
-                                   "crop in the loop), and each rank draws its own: draw them "
-                                   "per sample in the dataset's __getitem__ (rt.loader seeds "
-                                   "every sample the same on any number of processes under "
-                                   "verify), or switch them off for the check")
+        return _loop_randomness(a)
     if b.random_forward:
         return ("model-randomness", f"step {a.step}: the model's forward draws random numbers "
                                     "(a functional dropout, noise), which differ per rank: on N "
@@ -154,16 +211,44 @@ def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step,
         if relative(b.loss / a.loss if a.loss else 0.0, n) < 1e-3:
             return ("loss-scale", f"the loss on {many.world_size} processes is {n:g}x the "
                                   "1-process loss: it is scaled by the number of processes")
-    return ("mean-of-means", f"step {a.step}: the same samples give loss {a.loss:.6g} on 1 "
-                             f"process and {b.loss:.6g} on {many.world_size}: the loss is a "
-                             "mean of per-rank means over unequal shards (tokens or targets "
-                             "per rank differ); reduce (sum, count) over ranks instead")
+    counts = [sum(c[1] for c in rank if c[0] == "mean") for rank in b.loss_counts]
+    if len(set(counts)) > 1:
+        return ("mean-of-means", f"step {a.step}: the same samples give loss {a.loss:.6g} on 1 "
+                                 f"process and {b.loss:.6g} on {many.world_size}, and each "
+                                 f"rank's loss is a mean over {', '.join(map(str, counts))} "
+                                 "targets (ignore_index/padding per rank differs): a mean of "
+                                 "per-rank means; reduce (sum, count) over ranks instead")
+    return ("unexplained", f"step {a.step}: the same samples and the same model on every rank "
+                           f"give loss {a.loss:.6g} on 1 process and {b.loss:.6g} on "
+                           f"{many.world_size}, with nothing random drawn: look at how the loss "
+                           "is computed from a rank's batch (a term that depends on the batch "
+                           "size or on the rank, a mean over per-rank counts)")
+
+
+def _loop_randomness(a: Step) -> Diagnosis:
+    return ("loop-randomness", f"step {a.step}: the training loop draws random numbers "
+                               "between the batch and the forward (noise, mixup, a random "
+                               "crop in the loop), and each rank draws its own: draw them "
+                               "per sample in the dataset's __getitem__ (rt.loader seeds "
+                               "every sample the same on any number of processes under "
+                               "verify), or switch them off for the check")
 
 
 def _gradients(one: RunRecord, many: RunRecord, a: Step, b: Step,
                tolerance: float) -> Optional[Diagnosis]:
     if relative(a.grad_norm, b.grad_norm) <= tolerance:
         return None
+    calls = [c for c in (many.collectives[0] if many.collectives else [])
+             if c.get("grad") and c.get("phase") == "train" and c.get("step") == a.step - 1]
+    if calls:
+        return ("gradients-reduced-twice", f"step {a.step}: the script reduces parameter "
+                                           f"gradients itself ({calls[0]['fn']}"
+                                           f"({calls[0].get('op') or 'SUM'}) at "
+                                           f"{calls[0]['site']}, {len(calls)} call(s) a step) "
+                                           "on top of DDP, which already averages them: the "
+                                           f"gradient norm is {b.grad_norm:.6g} on "
+                                           f"{many.world_size} processes and {a.grad_norm:.6g} "
+                                           "on 1; remove that loop (DDP does it)")
     without = [set(names) for names in b.no_grad]
     if any(w != without[0] for w in without) or (a.no_grad and without
                                                  and set(a.no_grad[0]) != without[0]):
@@ -173,10 +258,11 @@ def _gradients(one: RunRecord, many: RunRecord, a: Step, b: Step,
                                      "no gradient on some ranks: their forward skips them "
                                      "there; make every rank use every parameter, or wrap "
                                      "with find_unused_parameters=True")
-    return ("gradients", f"step {a.step}: the same samples and loss give gradient norm "
-                         f"{a.grad_norm:.6g} on 1 process and {b.grad_norm:.6g} on "
-                         f"{many.world_size}: a gradient hook, clipping or scaling that depends "
-                         "on the number of processes")
+    return ("unexplained", f"step {a.step}: the same samples and loss give gradient norm "
+                           f"{a.grad_norm:.6g} on 1 process and {b.grad_norm:.6g} on "
+                           f"{many.world_size}: look at what touches the gradients between "
+                           "backward and the step (a hook, clipping, scaling by the rank or the "
+                           "world size)")
 
 
 def _update(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diagnosis]:

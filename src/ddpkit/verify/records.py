@@ -32,6 +32,12 @@ class Step:
     random_loop: bool = False         # the loop drew between a batch and its forward
     no_grad: List[List[str]] = field(default_factory=list)  # per rank: parameters without one
     epoch_end: bool = False           # the epoch's last batch was in this step
+    rows: List[List[int]] = field(default_factory=list)  # per rank: what its forwards got
+    loss_counts: List[List[Any]] = field(default_factory=list)  # per rank: (reduction, targets)
+
+    def received(self) -> List[int]:
+        """Every rank's forward inputs together, one checksum per sample, sorted."""
+        return sorted(d for rank in self.rows for d in rank)
 
 
 @dataclass
@@ -51,6 +57,18 @@ class RunRecord:
     foreign_loader: bool              # a DataLoader of the script's own was iterated
     started: bool                     # setup() ran (the script is a ddpkit script)
     autocast: List[str] = field(default_factory=list)  # autocast dtypes a forward ran under
+    states: List[Dict[str, int]] = field(default_factory=list)  # per rank: tensors at step 1
+    evals: List[List[List[int]]] = field(default_factory=list)  # per rank, per evaluation
+    collectives: List[List[Dict[str, Any]]] = field(default_factory=list)  # per rank
+    prints: List[List[str]] = field(default_factory=list)  # per rank: the lines it printed
+    exits: List[Dict[str, Any]] = field(default_factory=list)  # per rank: batches, forwards
+    sdpa_dropout_off: bool = False    # scaled_dot_product_attention's dropout_p was set to 0
+    device: str = "cpu"               # where rank 0's model computed
+
+    def attention_off(self) -> int:
+        """Dropout layers turned off for the comparison (nn.Dropout and attention's)."""
+        return sum(m.get("dropouts_off", 0) + m.get("attention_dropouts_off", 0)
+                   for m in self.models)
 
 
 def load(directory: str) -> RunRecord:
@@ -77,7 +95,15 @@ def load(directory: str) -> RunRecord:
         models=[e for e in first if e["event"] == "model"],
         foreign_loader=any(e["event"] == "foreign_loader" for rank in events for e in rank),
         started=bool(starts),
-        autocast=sorted({e["dtype"] for rank in events for e in rank if e["event"] == "autocast"}))
+        autocast=sorted({e["dtype"] for rank in events for e in rank if e["event"] == "autocast"}),
+        states=[next((e["digests"] for e in rank if e["event"] == "state"), {})
+                for rank in events],
+        evals=[[e["rows"] for e in rank if e["event"] == "eval"] for rank in events],
+        collectives=[[e for e in rank if e["event"] == "collective"] for rank in events],
+        prints=[[e["text"] for e in rank if e["event"] == "print"] for rank in events],
+        exits=[next((e for e in rank if e["event"] == "exit"), {}) for rank in events],
+        sdpa_dropout_off=any(e["event"] == "sdpa_dropout_off" for r in events for e in r),
+        device=next((e.get("device", "cpu") for e in first if e["event"] == "state"), "cpu"))
 
 
 def _read(path: str) -> List[Dict[str, Any]]:
@@ -104,4 +130,6 @@ def _merge(records: List[Dict[str, Any]], ends: List[set]) -> Step:
         random_forward=any(r.get("random_forward") for r in records),
         random_loop=any(r.get("random_loop") for r in records),
         no_grad=[r.get("no_grad", []) for r in records],
-        epoch_end=any(n - 1 in e for e in ends))
+        epoch_end=any(n - 1 in e for e in ends),
+        rows=[r.get("rows", []) for r in records],
+        loss_counts=[r.get("loss_counts", []) for r in records])

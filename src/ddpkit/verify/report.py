@@ -32,13 +32,20 @@ def table(verdict: Verdict, nproc: int) -> str:
 
 
 def summary(verdict: Verdict, nproc: int, script: str, accum: int = 1) -> str:
-    """The verdict in one line (two with the cause).
+    """The evidence behind the verdict (a cause's observations; what a PASS compared and
+    did not), one line each, then the verdict in one line.
 
     Example::
 
         summary(verdict, 2, "train.py")   # 'PASS: train.py computes the same on 2 ...'
     """
     steps = len(verdict.steps)
+    said = [f"  evidence: {line}" for line in verdict.evidence] + \
+        [f"  compared: {line}" for line in verdict.notes]
+    return "\n".join([*said, _verdict_line(verdict, nproc, script, accum, steps)])
+
+
+def _verdict_line(verdict: Verdict, nproc: int, script: str, accum: int, steps: int) -> str:
     if verdict.passed:
         one = f"1 accumulating {accum} micro-batches" if accum > 1 else "1"
         return (f"PASS: {script} computes the same on {nproc} processes as on {one} over {steps} "

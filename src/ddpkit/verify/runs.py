@@ -13,7 +13,7 @@ import tempfile
 from typing import Optional, Sequence, Tuple
 
 from ..errors import ConfigError
-from ..probe import ACCUM_VAR, ORDER_VAR, STEPS_VAR, VERIFY_VAR
+from ..probe import ACCUM_VAR, EVAL_VAR, ORDER_VAR, STEPS_VAR, VERIFY_VAR
 from .compare import Verdict, compare
 from .records import RunRecord, load
 
@@ -37,9 +37,12 @@ class Diverged(Exception):
 
 def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directory: str,
                reverse: bool = False, timeout: Optional[float] = None,
-               whole_epoch: bool = True, accum: int = 1, nproc_many: int = 2) -> RunRecord:
+               whole_epoch: bool = True, accum: int = 1, nproc_many: int = 2,
+               eval_within: int = 0) -> RunRecord:
     """Run ``script`` on ``nproc`` processes recording ``steps`` optimizer steps into
-    ``directory``; one :class:`ConfigError` line when it fails or records nothing.
+    ``directory`` (then up to ``eval_within`` more until its first evaluation has ended); one
+    :class:`ConfigError` line when it fails or, on 1 process, records nothing. On N
+    processes fewer steps than asked are the comparison's business (a FAIL), not an error.
 
     Example::
 
@@ -49,6 +52,8 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
     env.update({VERIFY_VAR: directory, STEPS_VAR: str(steps), "PYTHONUNBUFFERED": "1"})
     if reverse:
         env[ORDER_VAR] = "reverse"
+    if eval_within > 0:
+        env[EVAL_VAR] = str(eval_within)
     if nproc == 1 and accum > 1:
         env[ACCUM_VAR] = str(accum)
     if nproc > 1:
@@ -67,6 +72,8 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
                                             "find_unused_parameters=True")
     if proc.returncode != 0:
         raise ConfigError(_failed(script, nproc, proc.stderr, record))
+    if nproc > 1 and record.started:
+        return record
     return _checked(script, record, steps, whole_epoch, nproc_many, accum if nproc == 1 else 1)
 
 
@@ -152,10 +159,12 @@ def _epoch_limit(steps: int, loader: dict, nproc: int, accum: int) -> Tuple[int,
 
 def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 10,
            workdir: Optional[str] = None, timeout: Optional[float] = 900,
-           accum: int = 1) -> Verdict:
+           accum: int = 1, eval_within: int = 200) -> Verdict:
     """Run ``script`` on 1 and on ``nproc`` processes and compare them step by step; with
     ``accum`` K > 1 the 1-process runs accumulate K micro-batches per step, the batches of K
     ranks (with K = ``nproc``, each micro-batch is one rank's: BatchNorm sees the same batches).
+    The 1- and N-process runs train on for up to ``eval_within`` more steps to reach the
+    script's first evaluation, whose samples and printed metrics are compared too.
 
     Example::
 
@@ -168,6 +177,8 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
         raise ConfigError(f"--steps must be >= 1, got {steps}")
     if accum < 1:
         raise ConfigError(f"--accum-steps must be >= 1, got {accum}")
+    if eval_within < 0:
+        raise ConfigError(f"--eval-within must be >= 0 steps, got {eval_within}")
     records = {}
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-", dir=workdir) as tmp:
         try:
@@ -175,12 +186,14 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
                 records[name] = run_script(script, args, n or nproc, steps,
                                            os.path.join(tmp, name), reverse, timeout,
                                            whole_epoch=name == "one", accum=accum,
-                                           nproc_many=nproc)
+                                           nproc_many=nproc, eval_within=eval_within
+                                           if name in ("one", "many") else 0)
                 if name == "one":
                     _check_divides(records["one"], nproc)
         except Diverged as exc:
             return Verdict(passed=False, steps=[], largest=None, cause=exc.cause, why=exc.why)
-    return compare(records["one"], records["many"], records["reordered"], records["again"])
+    return compare(records["one"], records["many"], records["reordered"], records["again"],
+                   steps, eval_within)
 
 
 def _check_divides(one: RunRecord, nproc: int) -> None:

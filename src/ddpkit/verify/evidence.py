@@ -1,0 +1,226 @@
+"""What ``ddpkit verify`` observed, as facts a verdict prints, and the checks over a whole run
+that need no divergent step: every rank on the same samples, ranks holding different models,
+no step on N processes, an evaluation that saw fewer samples, a printed metric summed over
+ranks, gradients reduced by the script on top of DDP.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Dict, List, Optional, Tuple
+
+from .records import RunRecord, Step
+
+__all__ = ["Finding", "step_facts", "repeat_facts", "same_samples", "ranks_differ", "no_steps", "evaluation",
+           "gradient_collectives", "what_was_compared"]
+
+#: (cause, one sentence, the evidence lines)
+Finding = Tuple[str, str, List[str]]
+
+
+def _received(step: Step) -> str:
+    per = [len(r) for r in step.rows]
+    return f"{sum(per)} ({' + '.join(map(str, per))})" if len(per) > 1 else str(sum(per))
+
+
+def step_facts(one: RunRecord, many: RunRecord, index: int) -> List[str]:
+    """The evidence at step ``index`` (0-based): what each side's forward received, the loader's
+    samples, the models at the first forward, random draws, the loss, the gradient norm.
+
+    Example::
+
+        step_facts(one, many, 0)   # ['samples the forward received: 64 on 1 process, ...', ...]
+    """
+    a, b = one.steps[index], many.steps[index]
+    n = many.world_size
+    facts = []
+    if a.rows and b.rows and (a.received() or b.received()):
+        common = sum((Counter(a.received()) & Counter(b.received())).values())
+        facts.append(f"samples the forward received at step {a.step}: {_received(a)} on 1 "
+                     f"process, {_received(b)} on {n}; {common} in common")
+    if a.samples is not None and b.samples is not None:
+        facts.append(f"rt.loader's samples at step {a.step}: "
+                     f"{'the same' if a.samples == b.samples else 'different'} "
+                     f"({len(a.samples)} and {len(b.samples)})")
+    differ = ranks_differ(many)
+    if many.states and all(many.states):
+        facts.append("model tensors at the first forward: "
+                     + ("identical on every rank" if differ is None else differ[1]))
+    draws = [w for w, on in (("in the loop", a.random_loop or b.random_loop),
+                             ("in the forward", a.random_forward or b.random_forward)) if on]
+    facts.append("random draws between batch and step: " + (", ".join(draws) or "none"))
+    counts = [[c[1] for c in rank if c[0] == "mean"] for rank in b.loss_counts]
+    if any(counts):
+        facts.append(f"targets each rank's loss averaged over: "
+                     f"{', '.join(str(sum(c)) for c in counts)} (1 process: "
+                     f"{sum(c[1] for r in a.loss_counts for c in r if c[0] == 'mean')})")
+    facts.append(f"loss {a.loss:.6g} on 1 process, {b.loss:.6g} on {n}; gradient norm "
+                 f"{a.grad_norm:.6g} and {b.grad_norm:.6g}")
+    return facts
+
+
+def repeat_facts(one: RunRecord, again: RunRecord) -> List[str]:
+    """The evidence when one process run twice differs: the model it starts from, the samples
+    its forward received, the first step whose figures differ.
+
+    Example::
+
+        repeat_facts(one, again)   # ['model tensors at the first forward: the same ...', ...]
+    """
+    same_start = bool(one.states) and bool(again.states) and one.states[0] == again.states[0]
+    facts = [f"model tensors at the first forward of two 1-process runs: "
+             f"{'the same' if same_start else 'different'}; seeded: {one.seeded}; device: "
+             f"{one.device}"]
+    for a, b in zip(one.steps, again.steps):
+        if a.received() != b.received() or (a.loss, a.grad_norm) != (b.loss, b.grad_norm):
+            facts.append(f"step {a.step}: samples received "
+                         f"{'the same' if a.received() == b.received() else 'different'}; "
+                         f"loss {a.loss:.9g} and {b.loss:.9g}")
+            break
+    return facts
+
+
+def same_samples(many: RunRecord) -> Optional[Finding]:
+    """Every rank's forward received the same samples at every step compared: N devices doing
+    the work of one.
+
+    Example::
+
+        same_samples(load("v/many"))   # ('same-samples', 'every rank trained on ...', [...])
+    """
+    if many.world_size < 2 or not many.steps:
+        return None
+    for step in many.steps:
+        ranks = [sorted(r) for r in step.rows]
+        if len(ranks) < 2 or len(ranks[0]) < 2 or any(r != ranks[0] for r in ranks):
+            return None
+    per = len(many.steps[0].rows[0])
+    how = ("the batches come from a DataLoader of the script's own with no DistributedSampler"
+           if many.foreign_loader else "every rank draws the same batches")
+    return ("same-samples",
+            f"every rank trained on the same samples at each of the {len(many.steps)} steps "
+            f"compared ({per} a step, identical on all {many.world_size} ranks): "
+            f"{many.world_size} processes do the work of one; {how}: take them from "
+            "rt.loader(dataset, global_batch_size) (or a DistributedSampler)",
+            [f"samples the forward received at step {s.step}: {_received(s)}, the same on "
+             "every rank" for s in many.steps[:2]])
+
+
+def ranks_differ(many: RunRecord) -> Optional[Finding]:
+    """The ranks' models (parameters or buffers) differ at the first training forward.
+
+    Example::
+
+        ranks_differ(load("v/many"))   # ('ranks-differ', "buffer 'proj' differs ...", [...])
+    """
+    states = [s for s in many.states if s]
+    if len(states) < 2:
+        return None
+    names = [k for k in states[0] if any(s.get(k) != states[0][k] for s in states[1:])]
+    if not names:
+        return None
+    buffers = [k[len("buffer:"):] for k in names if k.startswith("buffer:")]
+    params = [k for k in names if not k.startswith("buffer:")]
+    shown = ", ".join(repr(k) for k in (params or buffers)[:3])
+    kind = "parameter(s)" if params else "buffer(s)"
+    fix = ("DDP copies rank 0's parameters at rt.wrap: something changes them per rank after "
+           "it (a re-initialisation, a load on one rank)" if params else
+           "DDP does not copy buffers from rank 0 with broadcast_buffers=False, and they were "
+           "made per rank (a seed from the rank, a load on one rank)")
+    return ("ranks-differ",
+            f"at the first training forward the ranks hold different {kind} {shown} "
+            f"({len(names)} tensor(s) in all): {fix}; build them the same on every rank (the "
+            "same seed), or keep broadcast_buffers=True",
+            [f"{kind} {shown}: checksums differ between rank 0 and another rank at step 1"])
+
+
+def no_steps(one: RunRecord, many: RunRecord, steps: int) -> Optional[Finding]:
+    """N processes took fewer optimizer steps than 1 (none at all, or stopped early): the
+    data path drops batches on N.
+
+    Example::
+
+        no_steps(one, many, 10)   # ('no-steps', 'on 2 processes the script took no ...', [...])
+    """
+    if len(many.steps) >= min(steps, len(one.steps)) or not one.steps:
+        return None
+    facts = [f"rank {r}: rt.loader handed out {e.get('batches', 0)} batch(es), the model's "
+             f"forward ran {e.get('forwards', 0)} time(s) on {e.get('rows', 0)} sample(s), "
+             f"{e.get('step', 0)} optimizer step(s)" for r, e in enumerate(many.exits) if e]
+    took = "no optimizer step" if not many.steps else f"only {len(many.steps)} step(s)"
+    return ("no-steps",
+            f"on {many.world_size} processes the script took {took} where 1 process took "
+            f"{len(one.steps)}: its data path gives a rank's loop nothing to train on (a "
+            "collate_fn or a filter that empties the batch, a loop that skips it, a per-rank "
+            "batch of 0)", facts or ["no rank recorded what its loop did"])
+
+
+def evaluation(one: RunRecord, many: RunRecord) -> Optional[Finding]:
+    """The first evaluation saw fewer distinct samples on N processes (all ranks together)
+    than on 1.
+
+    Example::
+
+        evaluation(one, many)   # ('evaluation', 'the first evaluation saw 100 ...', [...])
+    """
+    if not one.evals or not one.evals[0]:
+        return None
+    seen_one = set(one.evals[0][0])
+    per_rank = [rank[0] if rank else None for rank in many.evals]
+    seen_many = set().union(*(set(r) for r in per_rank if r is not None))
+    if not seen_one or not seen_one - seen_many:
+        return None
+    who = ", ".join(f"rank {i}: {len(r)}" if r is not None else f"rank {i}: none"
+                    for i, r in enumerate(per_rank))
+    alone = [i for i, r in enumerate(per_rank) if r is not None]
+    how = (f"only rank {alone[0]} evaluates, on its own shard" if len(alone) == 1 else
+           "the ranks' evaluation shards do not cover the evaluation set")
+    return ("evaluation",
+            f"the first evaluation saw {len(seen_many)} distinct samples on "
+            f"{many.world_size} processes and {len(seen_one)} on 1 ({who}): {how}; evaluate "
+            "on every rank and reduce (sum, count), as rt.evaluate(model, dataset) does",
+            [f"evaluation samples on 1 process: {len(seen_one)}; on {many.world_size}: {who}; "
+             f"{len(seen_one - seen_many)} never evaluated"])
+
+
+def gradient_collectives(many: RunRecord) -> List[Dict[str, Any]]:
+    """The script's own collectives on parameters' gradients (rank 0, while training).
+
+    Example::
+
+        gradient_collectives(many)[0]["site"]   # 'train.py:51'
+    """
+    calls = many.collectives[0] if many.collectives else []
+    return [c for c in calls if c.get("grad") and c.get("phase") == "train"]
+
+
+def what_was_compared(one: RunRecord, many: RunRecord, eval_within: int) -> List[str]:
+    """The notes a PASS carries: what was compared and what was not.
+
+    Example::
+
+        what_was_compared(one, many, 200)   # ['10 optimizer steps compared', ...]
+    """
+    notes = [f"{min(len(one.steps), len(many.steps))} optimizer steps compared"]
+    if one.steps and one.steps[0].samples is not None:
+        notes.append("samples compared by rt.loader's indices and by what the forward received")
+    elif any(s.received() for s in one.steps):
+        notes.append("samples compared by what the model's forward received (the script's own "
+                     "loader fed the batches)")
+    else:
+        notes.append("samples not compared: no tensor reached the model's forward")
+    off = one.attention_off()
+    if off or one.sdpa_dropout_off:
+        sdpa = ", scaled_dot_product_attention's dropout_p" if one.sdpa_dropout_off else ""
+        notes.append(f"dropout off for the comparison ({off} layer(s){sdpa})")
+    if one.evals and one.evals[0]:
+        notes.append(f"first evaluation compared ({len(set(one.evals[0][0]))} samples)")
+    elif eval_within:
+        notes.append(f"evaluation not compared: none within {len(one.steps) + eval_within} "
+                     "steps (--eval-within)")
+    else:
+        notes.append("evaluation not compared (--eval-within 0)")
+    sites = sorted({c["site"] for rank in many.collectives for c in rank})
+    if sites:
+        notes.append(f"the script's own collectives at {', '.join(sites[:3])}: checked "
+                     "against what rank 0 printed")
+    return notes

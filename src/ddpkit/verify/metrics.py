@@ -1,0 +1,93 @@
+"""The numbers a script prints, 1 process against N: a metric that rank 0 prints N times
+larger, traced to the script's own ``all_reduce(SUM)`` that returned it (the ranks' values
+added and never divided by the world size).
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from .records import RunRecord
+
+__all__ = ["numbers", "template", "summed_metric"]
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.(\d+))?(?:[eE][-+]?\d+)?")
+
+
+def numbers(line: str) -> List[Tuple[float, float]]:
+    """The numbers in a printed line, each with half of its last printed digit (the rounding).
+
+    Example::
+
+        numbers("loss 2.3026 acc 51.5%")   # [(2.3026, 5e-05), (51.5, 0.05)]
+    """
+    out = []
+    for m in _NUMBER.finditer(line):
+        text = m.group(0)
+        exponent = float("1e" + text.lower().split("e")[1]) if "e" in text.lower() else 1.0
+        out.append((float(text), 0.5 * 10.0 ** -len(m.group(1) or "") * exponent))
+    return out
+
+
+def template(line: str) -> str:
+    """The line with its numbers replaced by ``#``: lines of the same print statement match.
+
+    Example::
+
+        template("epoch 3 loss 2.30")   # 'epoch # loss #'
+    """
+    return _NUMBER.sub("#", line)
+
+
+def _pairs(one: List[str], many: List[str]) -> Iterator[Tuple[str, str]]:
+    """Lines of the same template, in the order printed (the k-th with the k-th)."""
+    seen: Dict[str, List[str]] = {}
+    for line in one:
+        seen.setdefault(template(line), []).append(line)
+    used: Dict[str, int] = {}
+    for line in many:
+        key = template(line)
+        k = used.get(key, 0)
+        if "#" in key and k < len(seen.get(key, [])):
+            used[key] = k + 1
+            yield seen[key][k], line
+
+
+def _sums(many: RunRecord) -> List[Tuple[float, str]]:
+    """Rank 0's results of the script's own SUM reductions, with their call sites."""
+    calls = many.collectives[0] if many.collectives else []
+    return [(v, c["site"]) for c in calls if c.get("fn") in ("all_reduce", "reduce")
+            and c.get("op") in (None, "SUM") and not c.get("grad")
+            for v in (c.get("after") or [])]
+
+
+def summed_metric(one: RunRecord, many: RunRecord) -> Optional[Tuple[str, str, List[str]]]:
+    """``(cause, sentence, evidence)`` when rank 0 prints a number about N times the
+    1-process one and that number is what one of its SUM all-reduces returned; else None.
+
+    Example::
+
+        summed_metric(one, many)   # ('metric-summed', "rank 0 prints 'val loss 4.61' ...", [...])
+    """
+    n = many.world_size
+    sums = _sums(many)
+    if n < 2 or not sums or not one.prints or not many.prints:
+        return None
+    for line_one, line_many in _pairs(one.prints[0], many.prints[0]):
+        for (a, da), (b, db) in zip(numbers(line_one), numbers(line_many)):
+            if not a or abs(b - a) <= da + db or abs(b / a - n) > 0.05 * n:
+                continue
+            site = next((s for v, s in sums if abs(v - b) <= db + 1e-6 * abs(b)), None)
+            if site is None:
+                continue
+            return ("metric-summed",
+                    f"rank 0 prints {line_many.strip()!r} on {n} processes where 1 process "
+                    f"prints {line_one.strip()!r}: {b:g} is {b / a:.2f}x {a:g}, the value the "
+                    f"script's all_reduce(SUM) at {site} returns (the ranks' values added, "
+                    "never divided by the world size): divide by it, or reduce (sum, count) "
+                    "and divide the sums (rt.mean does this)",
+                    [f"all_reduce(SUM) at {site} on rank 0 returned {b:g}",
+                     f"printed on 1 process: {line_one.strip()!r}",
+                     f"printed on {n} processes: {line_many.strip()!r}"])
+    return None
+
