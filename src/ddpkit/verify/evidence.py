@@ -155,8 +155,9 @@ def no_steps(one: RunRecord, many: RunRecord, steps: int) -> Optional[Finding]:
 
 
 def evaluation(one: RunRecord, many: RunRecord) -> Optional[Finding]:
-    """The first evaluation saw fewer distinct samples on N processes (all ranks together)
-    than on 1.
+    """The first evaluation saw fewer samples on N processes (all ranks together) than on 1.
+    Counted, not matched: an evaluation set may augment at random. More on N (padding
+    duplicates, each rank on the whole set) is no finding here.
 
     Example::
 
@@ -164,22 +165,23 @@ def evaluation(one: RunRecord, many: RunRecord) -> Optional[Finding]:
     """
     if not one.evals or not one.evals[0]:
         return None
-    seen_one = set(one.evals[0][0])
-    per_rank = [rank[0] if rank else None for rank in many.evals]
-    seen_many = set().union(*(set(r) for r in per_rank if r is not None))
-    if not seen_one or not seen_one - seen_many:
+    seen_one = len(one.evals[0][0])
+    per_rank = [len(rank[0]) if rank else None for rank in many.evals]
+    seen_many = sum(n for n in per_rank if n is not None)
+    if not seen_one or seen_many >= seen_one:
         return None
-    who = ", ".join(f"rank {i}: {len(r)}" if r is not None else f"rank {i}: none"
-                    for i, r in enumerate(per_rank))
-    alone = [i for i, r in enumerate(per_rank) if r is not None]
+    who = ", ".join(f"rank {i}: {n}" if n is not None else f"rank {i}: none"
+                    for i, n in enumerate(per_rank))
+    alone = [i for i, n in enumerate(per_rank) if n is not None]
     how = (f"only rank {alone[0]} evaluates, on its own shard" if len(alone) == 1 else
-           "the ranks' evaluation shards do not cover the evaluation set")
+           "the ranks' evaluation shards do not cover the evaluation set (drop_last, a "
+           "per-rank subset)")
     return ("evaluation",
-            f"the first evaluation saw {len(seen_many)} distinct samples on "
-            f"{many.world_size} processes and {len(seen_one)} on 1 ({who}): {how}; evaluate "
-            "on every rank and reduce (sum, count), as rt.evaluate(model, dataset) does",
-            [f"evaluation samples on 1 process: {len(seen_one)}; on {many.world_size}: {who}; "
-             f"{len(seen_one - seen_many)} never evaluated"])
+            f"the first evaluation saw {seen_many} samples on {many.world_size} processes and "
+            f"{seen_one} on 1 ({who}): {how}; evaluate on every rank and reduce (sum, count), "
+            "as rt.evaluate(model, dataset) does",
+            [f"samples the first evaluation's forwards received: {seen_one} on 1 process; "
+             f"{who} on {many.world_size}; {seen_one - seen_many} fewer"])
 
 
 def gradient_collectives(many: RunRecord) -> List[Dict[str, Any]]:
@@ -213,7 +215,7 @@ def what_was_compared(one: RunRecord, many: RunRecord, eval_within: int) -> List
         sdpa = ", scaled_dot_product_attention's dropout_p" if one.sdpa_dropout_off else ""
         notes.append(f"dropout off for the comparison ({off} layer(s){sdpa})")
     if one.evals and one.evals[0]:
-        notes.append(f"first evaluation compared ({len(set(one.evals[0][0]))} samples)")
+        notes.append(f"first evaluation compared ({len(one.evals[0][0])} samples)")
     elif eval_within:
         notes.append(f"evaluation not compared: none within {len(one.steps) + eval_within} "
                      "steps (--eval-within)")
