@@ -1,6 +1,6 @@
-"""ddpkit.evaluate beside a user's own loop: RNG streams left alone, regression scored out of the
-box (exact r2 across ranks), metrics as torchmetrics objects or (sum, count) functions, with or
-without a step."""
+"""ddpkit.evaluate beside a user's own loop: RNG streams left alone, one model scored (rank 0's
+BatchNorm statistics, as the checkpoint holds), regression scored out of the box (exact r2 across
+ranks), metrics as torchmetrics objects or (sum, count) functions, with or without a step."""
 import random
 
 import numpy as np
@@ -11,9 +11,12 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import ddpkit
+from ddpkit import comm
 from ddpkit.batches import (default_loss, is_regression, loss_sum, regression_pair,
                             step_outputs, step_sums, sum_count)
+from ddpkit.checkpoint import load_checkpoint
 from ddpkit.errors import ConfigError
+from ddpkit.sharded import consolidate
 
 
 class Augmented(Dataset):
@@ -110,6 +113,85 @@ def test_evaluating_mid_training_leaves_the_training_bitwise_unchanged(world):
     plain = ddpkit.launch(train_with_optional_eval, world, False, timeout=120)
     evaluated = ddpkit.launch(train_with_optional_eval, world, True, timeout=120)
     assert all(torch.equal(a, b) for a, b in zip(plain, evaluated))
+
+
+# ----------------------------------------------------------------------------- BatchNorm
+
+def bn_net() -> nn.Module:
+    """Two BatchNorm layers, in float64: a sample's output in eval mode does not depend on the
+    batch it is in, so what differs between world sizes is only the order of the sums."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
+                         nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)).double()
+
+
+def bn_rows(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 6, generator=g, dtype=torch.float64) * 2 + 1,
+                         torch.randint(0, 3, (n,), generator=g))
+
+
+def train_bn(out: str, engine: str, broadcast_buffers: bool, evaluate_mid_run: bool):
+    """Two epochs, each rank's BatchNorm statistics updated on its own batches; then the
+    evaluation a script prints (17 samples: uneven shards) and a checkpoint."""
+    rt = ddpkit.setup(engine=engine, seed=0)
+    model = rt.wrap(bn_net(), **({} if broadcast_buffers else {"broadcast_buffers": False}))
+    net, val = rt.unwrap(model), bn_rows(17, seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = rt.loader(bn_rows(36, seed=0), batch_size=12, seed=0)
+    with rt.checkpointer(out, model=model, optimizer=opt, loader=loader,
+                         every_epoch=False) as ckpt:
+        for _ in range(ckpt.epoch, 2):
+            for i, (x, y) in enumerate(loader):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                ckpt.step()
+                if evaluate_mid_run and i == 1:
+                    rt.evaluate(model, val, batch_size=4)
+        own = [b.clone() for b in net.buffers()]
+        printed = rt.evaluate(model, val, batch_size=4)
+        kept_own = all(torch.equal(a, b) for a, b in zip(own, net.buffers()))
+        ckpt.save()
+    every = comm.gather_object(own)  # each rank's statistics, as training left them
+    drift = max(float((a - b).abs().max()) for r in every for a, b in zip(every[0], r))
+    params = [p.detach().clone() for p in net.parameters()] if engine == "ddp" else None
+    return {"printed": printed, "saved": str(ckpt.last_saved), "drift": drift,
+            "kept_own": kept_own, "every": every, "params": params}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,engine,broadcast_buffers", [
+    (1, "ddp", True), (2, "ddp", True), (3, "ddp", True), (3, "ddp", False), (2, "fsdp", True),
+    (3, "fsdp", True)])
+def test_the_printed_metric_is_the_checkpoints_at_any_world_size(tmp_path, world, engine,
+                                                                 broadcast_buffers):
+    got = ddpkit.launch(train_bn, world, str(tmp_path), engine, broadcast_buffers, False,
+                        timeout=180)
+    assert (got["drift"] > 1e-3) == (world > 1)  # the ranks' statistics did drift apart
+    assert got["kept_own"]  # and each rank trains on with its own
+    state = (torch.load(consolidate(got["saved"], tmp_path / "model.pt")) if engine == "fsdp"
+             else load_checkpoint(got["saved"])["model"])
+    alone = bn_net()
+    alone.load_state_dict(state)
+    reference = ddpkit.evaluate(alone, bn_rows(17, seed=1), batch_size=4)
+    assert got["printed"]["count"] == reference["count"] == 17
+    assert got["printed"]["loss"] == pytest.approx(reference["loss"], rel=1e-12)
+    assert got["printed"]["top1"] == reference["top1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_evaluating_with_rank0s_buffers_leaves_the_training_bitwise_unchanged(
+        tmp_path, broadcast_buffers):
+    plain = ddpkit.launch(train_bn, 2, str(tmp_path / "a"), "ddp", broadcast_buffers, False,
+                          timeout=180)
+    evaluated = ddpkit.launch(train_bn, 2, str(tmp_path / "b"), "ddp", broadcast_buffers, True,
+                              timeout=180)
+    assert all(torch.equal(a, b) for a, b in zip(plain["params"], evaluated["params"]))
+    for mine, theirs in zip(plain["every"], evaluated["every"]):  # every rank's statistics
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
 # ----------------------------------------------------------------------------- regression

@@ -5,7 +5,9 @@ evaluates a disjoint block and only sums and counts cross the wire, once, at the
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+import contextlib
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 from torch import nn
@@ -24,7 +26,7 @@ from .seed import preserved_rng
 from .sharded import is_sharded
 from .wrap import unwrap
 
-__all__ = ["evaluate", "topk_correct"]
+__all__ = ["evaluate", "topk_correct", "rank0_buffers"]
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
 #: A regression's (sum, count) names: the errors, then the sums of y and y^2 that make r2 exact.
@@ -91,6 +93,15 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     whose model returns ``.loss`` (a Hugging Face causal LM shifts internally) by which
     alignment reproduces that loss on the first batch.
 
+    One model is scored: every rank evaluates with rank 0's buffers (BatchNorm running
+    statistics and anything else ``model.buffers()`` holds: what a checkpoint saves, since rank
+    0 writes it), so the result equals the saved checkpoint's at any world size. Training
+    updates each rank's statistics on its own batches, and DDP copies rank 0's over them only
+    at the next training forward (not at all with ``broadcast_buffers=False``, FSDP or
+    Horovod), so without this each rank would score its share with a different model. Each
+    rank's own buffers are put back afterwards: the training goes on exactly as without the
+    evaluation.
+
     ``batch_size`` is per rank. Runs the unwrapped module, so DDP never waits on a collective
     while ranks process different numbers of batches. Sums stay on the device until the end
     (no sync per batch); ``resident`` is as in :func:`ddpkit.data.make_loader` (on a GPU, data
@@ -113,7 +124,7 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     was_training = net.training
     # The loader's base seed and a dataset's random augmentation draw from the global streams:
     # without this, evaluating mid-training would change the training batches after it.
-    with preserved_rng():
+    with preserved_rng(), rank0_buffers(net):
         net.eval()
         try:
             batches = _eval_batches(data, batch_size, num_workers, device, resident, collate_fn)
@@ -126,6 +137,42 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
         finally:
             net.train(was_training)
         return scorer.finish(sums)
+
+
+@contextlib.contextmanager
+def rank0_buffers(model: nn.Module) -> Iterator[None]:
+    """Inside the block every rank holds rank 0's buffers (``model.buffers()``: BatchNorm's
+    running mean, variance and ``num_batches_tracked``, ...); after it, its own again. A
+    collective: every rank enters it. Nothing to do with one process or no buffers.
+
+    Run the unwrapped module inside, as :func:`evaluate` does: a forward through DDP's wrapper
+    in the block would make DDP skip its buffer broadcast at the next training forward, and the
+    ranks would train on from their own statistics.
+
+    Example::
+
+        net = rt.unwrap(model)
+        with rank0_buffers(net):                # score the model the checkpoint holds
+            val_loss = my_own_evaluation(net)
+    """
+    buffers = list(model.buffers())
+    if comm.world_size() == 1 or not buffers:
+        yield
+        return
+    own = [b.detach().clone() for b in buffers]
+    # Sent as CPU tensors through the engine's object broadcast, which every engine has
+    # (Horovod's too); buffers are small next to the parameters, and this runs once per
+    # evaluation, not per step.
+    sent = comm.broadcast_object([b.detach().cpu() for b in buffers] if comm.is_main() else None)
+    try:
+        with torch.no_grad():
+            for buffer, theirs in zip(buffers, sent):
+                buffer.copy_(theirs)
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, mine in zip(buffers, own):
+                buffer.copy_(mine)
 
 
 def _tally(net: nn.Module, paired: Iterable[Tuple[Any, bool]], scorer: "_Scorer",

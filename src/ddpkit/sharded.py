@@ -67,6 +67,7 @@ def save_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], di
         save_shards(model, opt, Path("ckpt"), step)
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     name = shards_name(step)
@@ -78,7 +79,10 @@ def save_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], di
     model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
     state = {"model": model_state, "optim": optim_state}
     try:
-        dcp.save(state, storage_writer=_writer(tmp))
+        # Buffers (BatchNorm statistics) are plain tensors every rank holds its own copy of;
+        # DCP keeps one copy of each from whichever rank writes least, a mix of ranks. Rank 0's,
+        # as in a DDP checkpoint and as ddpkit.evaluate scores them.
+        dcp.save(state, storage_writer=_writer(tmp), planner=_rank0_planner(DefaultSavePlanner))
     except BaseException as exc:  # DCP's CheckpointException (a BaseException), on every rank
         _shards_failed(exc, directory, tmp, step, state)
         raise
@@ -228,3 +232,12 @@ def consolidate(checkpoint: PathLike, out: PathLike) -> Path:
              for k, v in everything["model"].items()}
     torch.save(model, out_path)
     return out_path
+
+
+def _rank0_planner(planner: Any) -> Any:
+    """DCP's planner keeping replicated tensors from the lowest rank (torch >= 2.5 has the
+    switch; before it, DCP's default)."""
+    try:
+        return planner(dedup_save_to_lowest_rank=True)
+    except TypeError:
+        return planner()
