@@ -76,6 +76,7 @@ def test_a_small_model_whose_per_tensor_powersgd_costs_more_than_its_link_takes_
     # rank 8 costs 5.6 KB more a step: within 5% at 100 Mbit/s, not at 10 Mbit/s
     assert (choice.hook, choice.rank) == ("powersgd-batched", 8), choice.predicted
     assert choice.line().startswith("comm hook auto: powersgd-batched (rank 8): predicted step")
+    assert "trades accuracy for speed" in choice.line() and "--comm-hook none" in choice.line()
     slow = choose(work, Link("10mbit", alpha=600e-6, beta=1.175e6), 2, measured)
     assert (slow.hook, slow.rank) == ("powersgd-batched", 4), slow.predicted
     assert "powersgd-batched (rank 2)" not in choice.predicted   # too coarse: RESULTS.md

@@ -90,6 +90,18 @@ class Choice:
         return _label(self.hook, self.rank)
 
     def line(self) -> str:
+        return self._figures() + self.trade()
+
+    def trade(self) -> str:
+        """What the chosen hook gives up: PowerSGD approximates the gradients (lossy, with
+        error feedback); bf16 rounds them; none gives up nothing."""
+        if self.hook.startswith("powersgd"):
+            return (f"; trades accuracy for speed: gradients approximated at rank {self.rank} "
+                    "with error feedback (the built-in job lost up to 0.5 points of top-1 at "
+                    "10 Mbit/s: benchmarks/RESULTS.md); compare with --comm-hook none")
+        return "; gradients rounded to bf16 on the wire" if self.hook == "bf16" else ""
+
+    def _figures(self) -> str:
         if self.measured:
             others = ", ".join(f"{v * 1e3:,.1f} ms for {k}" for k, v in self.measured.items()
                                if k != self.name)
