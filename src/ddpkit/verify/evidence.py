@@ -200,9 +200,9 @@ def what_was_compared(one: RunRecord, many: RunRecord, eval_within: int) -> List
 
     Example::
 
-        what_was_compared(one, many, 200)   # ['10 optimizer steps compared', ...]
+        what_was_compared(one, many, 200)   # ['10 optimizer steps', ...]
     """
-    notes = [f"{min(len(one.steps), len(many.steps))} optimizer steps compared"]
+    notes = [f"{min(len(one.steps), len(many.steps))} optimizer steps"]
     if one.steps and one.steps[0].samples is not None:
         notes.append("samples compared by rt.loader's indices and by what the forward received")
     elif any(s.received() for s in one.steps):
