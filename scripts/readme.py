@@ -67,11 +67,16 @@ def _changed(before: str, after: str) -> tuple:
 
 
 def conversion_counts() -> str:
-    """Lines added and removed by each conversion, counted from the files themselves."""
-    rows = ["| conversion | added | removed | what the diff does |", "|---|---|---|---|"]
+    """Lines added and removed by each conversion, counted from the files themselves, and the
+    range of changed lines the prose beside it quotes (so that sentence cannot drift either)."""
+    rows = ["| conversion | added | removed | changed | what the diff does |",
+            "|---|---|---|---|---|"]
+    changed = []
     for name, stem, what in CONVERSIONS:
         added, removed = _changed(f"examples/{stem}_plain.py", f"examples/{stem}_ddpkit.py")
-        rows.append(f"| {name} (`{stem}_*`) | {added} | {removed} | {what} |")
+        changed.append(added + removed)
+        rows.append(f"| {name} (`{stem}_*`) | {added} | {removed} | {added + removed} | {what} |")
+    rows.append(f"\nThe examples here change {min(changed)} to {max(changed)} lines.")
     return "\n".join(rows) + "\n"
 
 
