@@ -154,3 +154,28 @@ def test_the_overlap_line_warns_when_the_all_reduce_takes_the_compute_cores():
     worse = overlap_finding({**measured, "overlap": -0.3, "together_s": 0.0366})
     assert worse.verdict == "warn" and \
         "overlap -0.30 (both at once take longer than one after the other)" in worse.detail
+
+
+def test_a_link_whose_small_messages_take_hundreds_of_us_never_fits_alpha_0():
+    """Issue 34: doctor said alpha 0 us on a 100 Mbit/s link where a 1 KiB all-reduce took
+    337 us. The largest messages, slowed to a third of the line rate (a shaper's queue, TCP
+    backing off), gave a beta that took more than the small messages' whole time for their
+    bytes; the small sizes' bytes now come off at the fastest rate seen."""
+    from ddpkit.doctor.cluster import link_finding
+    from ddpkit.stepcost import bandwidths
+
+    line = 100e6 / 8 * 0.94                                   # 100 Mbit/s of TCP payload
+    rows = []
+    for size in [1 << k for k in range(10, 25, 2)]:           # 1 KiB .. 16 MiB
+        seconds = 250e-6 + size / (line if size <= 1 << 18 else line / 3)
+        algbw, busbw = bandwidths(size, 2, seconds)
+        rows.append({"bytes": size, "seconds": seconds, "algbw": algbw, "busbw": busbw})
+    assert rows[0]["seconds"] == pytest.approx(337e-6, abs=1e-6)
+    finding, link = link_finding(rows, 2)
+    assert link.beta == pytest.approx(line / 3, rel=1e-6)     # what the large messages got
+    latency = 2 * link.alpha                                  # 2(N-1) hops on 2 ranks
+    assert 200e-6 < latency < 337e-6                          # 250 us: the messages' latency
+    assert f"alpha {link.alpha * 1e6:.1f} us" in finding.detail and link.alpha > 0
+    # all of a message's time stays latency when even the fastest rate leaves nothing over
+    from ddpkit.stepcost import fit_link
+    assert fit_link([1024, 4096, 1 << 20], [3e-4, 1.2e-3, 1.0], 2).alpha > 0

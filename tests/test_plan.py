@@ -5,12 +5,15 @@ import json
 import math
 
 import pytest
+import torch
 from torch import nn
 
 from ddpkit.cli import main
 from ddpkit.stepcost import (LINKS, Link, bandwidths, buckets, fit_link, hook_cost,
                               ring_allreduce_seconds, step_time)
-from ddpkit.costprobe import workload_of
+from ddpkit.costprobe import Timing, repeat_timing, workload_of
+from ddpkit.errors import ConfigError
+from ddpkit.plan.measure import job_input, parse_shape, rank_threads
 from ddpkit.plan.predict import Row, predict, recommend, synthetic_workload
 
 
@@ -124,7 +127,7 @@ def test_compression_is_recommended_only_when_it_gains_more_than_five_percent():
 
 def test_plan_on_the_command_line(tmp_path, capsys):
     report = tmp_path / "plan.json"
-    assert main(["plan", "--params", "25e6", "--compute-ms", "200", "--nodes", "1,2",
+    assert main(["plan", "--params", "25e6", "--compute-ms", "200", "--nodes", "1,2", "--repeats", "2",
                  "--link", "100mbit", "--json", str(report)]) == 0
     out = capsys.readouterr().out
     assert "2 node(s): --comm-hook powersgd" in out and "assumed: model: 25,000,000" in out
@@ -132,14 +135,28 @@ def test_plan_on_the_command_line(tmp_path, capsys):
     assert {r["hook"] for r in data["rows"]} == {"none", "bf16", "powersgd", "powersgd-batched"}
     assert data["recommendation"]["2"]["hook"].startswith("powersgd")
     assert "--powersgd-rank" not in out               # each hook's default, as train's
-    assert main(["plan", "--params", "25e6", "--compute-ms", "200", "--nodes", "2",
+    assert main(["plan", "--params", "25e6", "--compute-ms", "200", "--nodes", "2", "--repeats", "2",
                  "--link", "100mbit", "--powersgd-rank", "4"]) == 0
     assert "--powersgd-rank 4 (+" in capsys.readouterr().out
     doctor = tmp_path / "doctor.json"
     doctor.write_text(json.dumps({"link": {"alpha": 1e-5, "beta": 1e9}}))
-    assert main(["plan", "--model", "small_cnn", "--batch", "4", "--nodes", "2",
-                 "--link", str(doctor)]) == 0
-    assert f"measured ({doctor})" in capsys.readouterr().out
+    threads = torch.get_num_threads()
+    assert main(["plan", "--model", "small_cnn", "--batch", "4", "--nodes", "2", "--nproc", "2",
+                 "--repeats", "3", "--link", str(doctor), "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert f"measured ({doctor})" in out
+    # the job's own input, a rank's threads, the median and its spread: said, and in the JSON
+    rank = rank_threads(2)
+    assert "input 1x8x8 from the job's dataset digits" in out, out
+    assert f"on 2 rank(s) of this node at once on cpu with {rank} thread(s) each" in out
+    assert "(median of 3, min-max " in out and "bf16 " in out
+    measured = json.loads(report.read_text())["measured"]
+    assert measured["input"] == {"shape": [1, 8, 8], "source": "the job's dataset digits"}
+    assert measured["threads"] == rank and measured["ranks_per_node"] == 2
+    compute = measured["compute"]
+    assert compute["count"] == 3 and compute["low"] <= compute["median"] <= compute["high"]
+    assert measured["hooks"]["bf16"]["count"] == 3
+    assert torch.get_num_threads() == threads          # put back after measuring
     from ddpkit.cli.plan import parse_link    # a report without overlap (older doctor): 1
     assert parse_link(str(doctor)).overlap == 1.0
     doctor.write_text(json.dumps({"link": {"alpha": 1e-5, "beta": 1e9, "overlap": 0.25}}))
@@ -152,6 +169,9 @@ def test_plan_on_the_command_line(tmp_path, capsys):
     (["--params", "1e6", "--compute-ms", "5", "--nodes", "0,2"], "--nodes '0,2'"),
     (["--params", "1e6", "--compute-ms", "-1"], "--compute-ms must be > 0"),
     (["--model", "alexnet9"], "unknown model"),
+    (["--input-shape", "3,32"], "--input-shape '3,32'"),
+    (["--nproc", "none"], "--nproc 'none'"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_bad_plan_input_is_one_line(args, said, capsys):
     assert main(["plan", *args]) == 2
@@ -166,14 +186,55 @@ def test_a_synthetic_model_is_stated_as_such():
 
 
 def test_hook_compute_is_measured_on_the_gradients_shapes():
-    from ddpkit.costprobe import measure_hook
+    from ddpkit.costprobe import hook_timing, measure_hook
 
     work = workload_of(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 10)), 0.01, 8)
     assert measure_hook(work, "none") == 0.0
-    assert measure_hook(work, "bf16") > 0 and measure_hook(work, "powersgd", rank=2) > 0
+    bf16 = hook_timing(work, "bf16", repeats=3, threads=1)     # a rank's threads, repeated
+    assert bf16.count == 3 and 0 < bf16.low <= bf16.median <= bf16.high
+    assert measure_hook(work, "powersgd", rank=2, repeats=2) > 0
     shapes = [[(256, 256)]]
     measured = step_time(0.1, shapes, 2, LINKS["100gbit"], "powersgd", hook_s=0.05)
     assert measured.hook_compute == 0.05 and measured.total >= 0.15
+
+
+def test_the_input_is_the_jobs_own_unless_a_flag_says_otherwise():
+    """Issue 34: 3x32x32 images timed for the default job's 8x8 digits put its step 20-50x
+    too long."""
+    digits = job_input("small_cnn")
+    assert digits.shape == (1, 8, 8) and digits.num_classes == 10 and len(digits.dataset) > 0
+    assert digits.describe() == "1x8x8 from the job's dataset digits"
+    assert job_input("small_cnn", data="synthetic").shape == (3, 32, 32)
+    given = job_input("resnet18", shape=parse_shape("3,32,32"))
+    assert given.shape == (3, 32, 32) and given.describe() == "3x32x32 from --input-shape"
+    text = job_input("gpt")
+    assert text.shape == (128,) and text.options == {"context": 128}
+    assert job_input("gpt", shape=(64,)).describe() == "64 tokens from --input-shape"
+    with pytest.raises(ConfigError, match="--data-dir.*--input-shape"):
+        job_input("resnet18", data="cifar10")
+    for bad in ("3,32", "0,8,8", "big"):
+        with pytest.raises(ConfigError, match="--input-shape"):
+            parse_shape(bad)
+
+
+def test_a_rank_is_timed_with_the_threads_training_gives_it():
+    """The cores split between the node's ranks, as ddpkit train sets them; OMP_NUM_THREADS
+    when the user set it; torch's own choice for one rank alone."""
+    assert rank_threads(2, environ={}, cores=16) == 8
+    assert rank_threads(4, environ={}, cores=2) == 1
+    assert rank_threads(2, environ={"OMP_NUM_THREADS": "3"}, cores=16) == 3
+    assert rank_threads(1, environ={}) == torch.get_num_threads()
+
+
+def test_a_timing_is_a_median_of_repeats_after_a_warm_up_with_its_spread():
+    calls = []
+    timing = repeat_timing(lambda: calls.append(1), repeats=5, warmup=2)
+    assert len(calls) == 7 and timing.count == 5
+    five = Timing.of([0.030, 0.010, 0.012, 0.011, 0.855])
+    assert (five.median, five.low, five.high) == (0.012, 0.010, 0.855)
+    assert str(five) == "12.0 ms (median of 5, min-max 10.0-855.0 ms)"
+    assert Timing.of([0.001, 0.003]).median == pytest.approx(0.002)
+    assert str(Timing.of([0.00042])) == "0.42 ms (median of 1, min-max 0.42-0.42 ms)"
 
 
 def test_the_recommendation_prefers_the_earlier_hook_within_five_percent_as_auto_does():
@@ -191,3 +252,14 @@ def test_the_recommendation_prefers_the_earlier_hook_within_five_percent_as_auto
     assert recommend(close[:2] + [Row(2, 2, "powersgd", step, 104.0, 1.0)]) == {2: ("none", 0.0)}
     odd = [Row(2, 2, "none", step, 100.0, 1.0), Row(2, 2, "int8", step, 300.0, 1.0)]
     assert recommend(odd) == {2: ("int8", pytest.approx(2.0))}   # a hook not in HOOKS: last
+
+
+def test_the_job_is_timed_on_the_nodes_ranks_at_once_and_a_failed_rank_is_named():
+    from ddpkit.plan.calibrate import calibrate
+
+    job = {"model": "small_cnn", "batch": 8}
+    timed = calibrate(job, ranks=2, threads=1, hooks={"bf16": 0}, repeats=3)
+    assert set(timed) == {"compute", "bf16"}
+    assert all(t.count == 3 and 0 < t.low <= t.median <= t.high for t in timed.values())
+    with pytest.raises(RuntimeError, match="on 2 rank.* failed on rank .*unknown model"):
+        calibrate({"model": "alexnet9", "batch": 8}, ranks=2, threads=1, hooks={}, repeats=1)

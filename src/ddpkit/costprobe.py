@@ -8,15 +8,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .stepcost import BUCKET_CAP, FIRST_BUCKET, buckets
 
-__all__ = ["Workload", "workload_of", "measure_compute", "measure_flops", "measure_hook",
-           "time_allreduce", "sync_device"]
+__all__ = ["Workload", "workload_of", "Timing", "repeat_timing", "measure_compute",
+           "measure_flops", "measure_hook", "hook_timing", "time_allreduce", "sync_device"]
 
 
 @dataclass(frozen=True)
@@ -47,24 +47,72 @@ def workload_of(model: nn.Module, compute_s: float, batch: int, name: str = "mod
     return Workload(name, grouped, sum(math.prod(s) for s in shapes), compute_s, batch)
 
 
-def measure_compute(model: nn.Module, example: torch.Tensor, repeats: int = 3) -> float:
+@dataclass(frozen=True)
+class Timing:
+    """Seconds of one thing timed several times: the median, and the spread (min-max) that says
+    how far one timing could have been from it. Example::
+
+        Timing.of([0.012, 0.010, 0.031]).median   # 0.012
+    """
+
+    median: float
+    low: float
+    high: float
+    count: int
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Timing":
+        ordered = sorted(samples)
+        if not ordered:
+            raise ValueError("a timing needs at least one sample")
+        half = len(ordered) // 2
+        middle = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+        return cls(middle, ordered[0], ordered[-1], len(ordered))
+
+    def __str__(self) -> str:
+        return (f"{_ms(self.median)} ms (median of {self.count}, min-max {_ms(self.low)}-"
+                f"{_ms(self.high)} ms)")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}" if seconds < 0.01 else f"{seconds * 1e3:.1f}"
+
+
+def repeat_timing(fn: Callable[[], Any], repeats: int = 7, warmup: int = 2,
+                  device: Optional[torch.device] = None) -> Timing:
+    """``fn()`` run ``warmup`` times untimed (allocations, oneDNN primitives, caches: the first
+    calls are not what a training step costs), then timed ``repeats`` times.
+
+    Example::
+
+        repeat_timing(lambda: torch.randn(512, 512) @ torch.randn(512, 512))
+    """
+    device = device or torch.device("cpu")
+    for _ in range(warmup):
+        fn()
+    sync_device(device)
+    samples = []
+    for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        fn()
+        sync_device(device)
+        samples.append(time.perf_counter() - start)
+    return Timing.of(samples)
+
+
+def measure_compute(model: nn.Module, example: torch.Tensor, repeats: int = 7) -> float:
     """Median seconds of forward + backward of ``example`` through ``model`` (after a warm-up).
 
     Example::
 
         measure_compute(nn.Linear(64, 10), torch.randn(32, 64))
     """
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
         out = model(example)
         (out if torch.is_tensor(out) else out[0]).float().sum().backward()
-        if example.is_cuda:
-            torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return sorted(times)[len(times) // 2]
+
+    return repeat_timing(step, repeats, 2, example.device).median
 
 
 def measure_flops(device: Optional[torch.device] = None, n: int = 512) -> float:
@@ -86,25 +134,41 @@ def measure_flops(device: Optional[torch.device] = None, n: int = 512) -> float:
 
 
 def measure_hook(work: Workload, hook: str, rank: int = 2,
-                 device: Optional[torch.device] = None, repeats: int = 3) -> float:
-    """Seconds per step of ``hook``'s own work on this device: the hook itself (as the DDP
-    engine registers it) run on buckets of the model's gradient shapes over a process group of
-    one rank, in a child process, so its all-reduces cost nothing and what is left is its
-    compute (the casts of fp16/bf16; PowerSGD's error feedback, P = MQ, orthogonalisation,
-    Q = M^T P, the reconstruction and its per-tensor Python work). The fastest of ``repeats``
-    steps.
+                 device: Optional[torch.device] = None, repeats: int = 5,
+                 threads: Optional[int] = None) -> float:
+    """Seconds per step of ``hook``'s own work on this device, the median of ``repeats``
+    (:func:`hook_timing` says how).
 
     Example::
 
         measure_hook(workload, "powersgd", rank=2)
     """
+    return hook_timing(work, hook, rank, device, repeats, threads).median
+
+
+def hook_timing(work: Workload, hook: str, rank: int = 2, device: Optional[torch.device] = None,
+                repeats: int = 5, threads: Optional[int] = None) -> Timing:
+    """``hook``'s own work per step on this device: the hook itself (as the DDP engine registers
+    it) run on buckets of the model's gradient shapes over a process group of one rank, in a
+    child process with ``threads`` intra-op threads (default: this process's), so its
+    all-reduces cost nothing and what is left is its compute (the casts of fp16/bf16;
+    PowerSGD's error feedback, P = MQ, orthogonalisation, Q = M^T P, the reconstruction and its
+    per-tensor Python work). ``repeats`` steps after a warm-up step, each timed: one timing
+    alone moved 0.2 -> 28 ms between runs on a loaded host.
+
+    Example::
+
+        print(hook_timing(workload, "bf16", threads=1))   # 0.12 ms (median of 5, min-max ...)
+    """
     if hook == "none":
-        return 0.0
-    return _real_hook_seconds(work, hook, rank, device or torch.device("cpu"), repeats)
+        return Timing(0.0, 0.0, 0.0, 0)
+    samples = _real_hook_seconds(work, hook, rank, device or torch.device("cpu"), repeats,
+                                 threads or torch.get_num_threads())
+    return Timing.of(samples)
 
 
 def _real_hook_seconds(work: Workload, hook: str, rank: int, device: torch.device,
-                       repeats: int) -> float:
+                       repeats: int, threads: int) -> list:
     """``hook`` timed by ``ddpkit.autohook.time_hooks`` over a process group of one, in a child
     process that ends with ``os._exit``: a group made and taken down in this process can be
     freed last by one of gloo's own threads (the hook's callbacks hold it), which then joins
@@ -116,21 +180,21 @@ def _real_hook_seconds(work: Workload, hook: str, rank: int, device: torch.devic
     import tempfile
 
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(
+        p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}   # as a rank gets them
     with tempfile.TemporaryDirectory(prefix="ddpkit-hook-") as tmp:
         job = {"shapes": work.bucket_shapes, "hook": hook, "rank": rank, "device": str(device),
-               "repeats": repeats, "threads": torch.get_num_threads(), "store": f"{tmp}/store"}
+               "repeats": repeats, "threads": threads, "store": f"{tmp}/store"}
         done = subprocess.run([sys.executable, "-c", _TIME_HOOK], input=json.dumps(job),
                               capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0 or not done.stdout.strip():
         raise RuntimeError(f"timing the {hook} comm hook failed: "
                            f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return float(done.stdout.split()[-1])
+    return [float(s) for s in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 _TIME_HOOK = """
-import json, os, sys
+import json, os, sys, time
 import torch, torch.distributed as dist
 from ddpkit.autohook import time_hooks
 from ddpkit.engines.ddp import comm_hook_for
@@ -142,10 +206,13 @@ dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                         init_method="file://" + job["store"], rank=0, world_size=1)
 shapes = [[tuple(s) for s in bucket] for bucket in job["shapes"]]
 key = (job["hook"], job["rank"])
-seconds = time_hooks(shapes, [key], lambda name, r, group=None: comm_hook_for(
-    name, WrapOptions(powersgd_rank=r), group), device, group=dist.group.WORLD,
-    steps=job["repeats"])[key]
-print(seconds, flush=True)
+make = lambda name, r, group=None: comm_hook_for(name, WrapOptions(powersgd_rank=r), group)
+# every step's end, stamped inside its timing: the steps run back to back, so from one end to
+# the next is one step (the first, a warm-up that allocates PowerSGD's P, Q and error, drops)
+ends = []
+time_hooks(shapes, [key], make, device, group=dist.group.WORLD, steps=max(job["repeats"], 1),
+           after_step=lambda: ends.append(time.perf_counter()))
+print(json.dumps([b - a for a, b in zip(ends, ends[1:])]), flush=True)
 os._exit(0)
 """
 

@@ -109,6 +109,13 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], ranks: int,
     lets the largest messages decide the intercept too: on the same shaped link it came out
     0 us in one run and 834 us in another, where a hook's many small all-reduces pay it.
 
+    The small sizes' bytes are taken off at the fastest rate seen (the fitted beta, or the
+    sweep's best bus bandwidth where that is higher): where the largest messages move slower
+    than the smaller ones (a shaper's queue, TCP backing off), their beta gave the small
+    messages' bytes more than their whole time, and the latency came out 0 us on a link where
+    a 1 KiB all-reduce took 337 us. At the fastest rate seen no message's bytes take longer
+    than it did, so alpha is 0 only for a sweep whose messages took no time.
+
     Example::
 
         fit_link([1e3, 1e6, 1e8], [1e-4, 1e-3, 0.1], ranks=2)
@@ -125,8 +132,11 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], ranks: int,
         return Link(name, max(0.0, min(t for _, t in points)) / (2 * (ranks - 1)), math.inf)
     share = 2 * (ranks - 1) / ranks
     beta = share / slope
-    latency = sorted(t - share * b / beta for b, t in points[:3])
-    return Link(name, max(latency[len(latency) // 2], 0.0) / (2 * (ranks - 1)), beta)
+    fastest = max([beta] + [share * b / t for b, t in points if t > 0])
+    latency = sorted(t - share * b / fastest for b, t in points[:3])
+    # 0 only where the small messages were the fastest of all: then all their time is latency
+    alpha = latency[len(latency) // 2] or max(points[0][1], 0.0)
+    return Link(name, max(alpha, 0.0) / (2 * (ranks - 1)), beta)
 
 
 def buckets(tensor_bytes: Sequence[int], cap: int = BUCKET_CAP,

@@ -20,20 +20,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """
     p = sub.add_parser("plan", help="predict step time and scaling per node count and comm hook",
                        description="Predicts a DDP step from the model's gradient buckets, its "
-                                   "measured forward+backward and a link (named, or measured by "
-                                   "ddpkit doctor --json), for each node count and comm hook.")
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", help="a built-in model (resnet18, gpt, ...) or torchvision:NAME")
+                                   "training step timed on this node's ranks as ddpkit train "
+                                   "runs them (the job's input, a rank's threads, the median of "
+                                   "--repeats) and a link (named, or measured by ddpkit doctor "
+                                   "--json), for each node count and comm hook.")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--model", help="a built-in model (resnet18, gpt, ...) or torchvision:NAME "
+                                      "(default: ddpkit train's, small_cnn)")
     what.add_argument("--params", type=float, help="a model known by its parameter count")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
+    p.add_argument("--data", help="the job's dataset, whose samples' shape is timed (default: "
+                                  "ddpkit train's, digits; text for a language model)")
+    p.add_argument("--data-dir", help="its root, for cifar10/cifar100/imagefolder")
+    p.add_argument("--input-shape", help="C,H,W of one image (or the tokens of one sequence) "
+                                         "instead of the dataset's")
+    p.add_argument("--batch", type=int, default=32,
+                   help="samples per rank per step (default 32: ddpkit train's 64 over 2 ranks)")
     p.add_argument("--compute-ms", type=float,
-                   help="forward+backward per rank (default: measured here for --model)")
+                   help="a training step per rank (default: measured here for --model)")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="timed steps after 2 warm-up ones; their median is used (default 7)")
     p.add_argument("--nodes", default="1,2,4", help="node counts to predict (default 1,2,4)")
-    p.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node (default 1)")
+    p.add_argument("--nproc", "--gpus-per-node", dest="nproc", default="auto",
+                   help="ranks per node, as ddpkit train --nproc: a number, or auto (one per GPU, "
+                        "2 on CPU); on CPU each rank is timed with its share of the cores")
     p.add_argument("--link", default="10gbit",
                    help="between nodes: 10mbit, 100mbit, 1gbit, 10gbit, 25gbit, 100gbit, or "
                         "the JSON of ddpkit doctor --json (default 10gbit)")
-    p.add_argument("--inside", default="100gbit", help="between ranks of one node (default 100gbit)")
+    p.add_argument("--inside", default="100gbit",
+                   help="between ranks of one node, as --link (default 100gbit; on CPU ranks "
+                        "over loopback give what ddpkit doctor --nproc N --json measures)")
     p.add_argument("--powersgd-rank", type=int, default=None,
                    help="PowerSGD's rank (default: 2 per tensor, 4 batched)")
     p.add_argument("--json", metavar="PATH", help="also write the prediction as JSON to PATH")
@@ -75,36 +90,87 @@ def _nodes(text: str) -> list:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
-    from ..costprobe import measure_flops, measure_hook
-    from ..plan.predict import HOOKS, model_workload, predict, synthetic_workload
+    from ..costprobe import measure_flops
+    from ..plan.measure import rank_threads, using_threads
+    from ..plan.predict import predict
     from ..plan.report import advice, as_json, assumptions, table
-    from ..stepcost import DEFAULT_RANKS
 
     nodes, link, inside = _nodes(ns.nodes), parse_link(ns.link), parse_link(ns.inside)
-    for flag, value in (("--batch", ns.batch), ("--gpus-per-node", ns.gpus_per_node),
-                        ("--powersgd-rank", ns.powersgd_rank)):
+    per_node = _per_node(ns.nproc)
+    for flag, value in (("--batch", ns.batch), ("--powersgd-rank", ns.powersgd_rank),
+                        ("--repeats", ns.repeats)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     compute = ns.compute_ms / 1e3 if ns.compute_ms is not None else None
     if compute is not None and compute <= 0:
         raise ConfigError(f"--compute-ms must be > 0, got {ns.compute_ms:g}")
-    if ns.params is not None:
-        if compute is None:
-            raise ConfigError("--params needs --compute-ms (forward+backward of one rank's "
-                              "batch): without the model there is nothing to measure")
-        work = synthetic_workload(int(ns.params), compute, ns.batch)
-    else:
-        work = model_workload(ns.model, ns.batch, compute)
-    flops = measure_flops()
-    hooks = {h: measure_hook(work, h, ns.powersgd_rank or DEFAULT_RANKS.get(h, 2)) for h in HOOKS}
-    rows = predict(work, nodes, link, ns.gpus_per_node, inside, rank=ns.powersgd_rank,
-                   flops_per_s=flops, hook_seconds=hooks)
+    with using_threads(rank_threads(per_node)):   # all of it as one rank of the job runs
+        work, measured = _measure(ns, compute, per_node)
+        flops = measure_flops()
+    rows = predict(work, nodes, link, per_node, inside, rank=ns.powersgd_rank,
+                   flops_per_s=flops, hook_seconds={h: t.median for h, t in
+                                                    measured.hooks.items()})
     print(table(rows))
     for line in advice(rows, ns.powersgd_rank):
         print(line)
-    for line in assumptions(work, link, hooks, inside):
+    for line in assumptions(work, link, measured, inside):
         print(f"assumed: {line}")
     if ns.json:
         with open(ns.json, "w") as f:
-            f.write(as_json(rows, work, link) + "\n")
+            f.write(as_json(rows, work, link, measured) + "\n")
     return 0
+
+
+def _per_node(text: str) -> int:
+    """``--nproc``: what ``ddpkit train --nproc`` would start on this node."""
+    import torch
+
+    from ..job.start import job_nproc
+
+    try:
+        return job_nproc(text, torch.cuda.device_count())
+    except ConfigError:
+        raise ConfigError(f"--nproc {text!r}: give the ranks per node (a number >= 1) or "
+                          "auto") from None
+
+
+def _measure(ns: argparse.Namespace, compute, per_node: int):  # -> (Workload, Measured)
+    """The workload and how it was measured: the job's step and each hook's compute, timed on
+    the node's ranks at once (``ddpkit.plan.calibrate``) with this process's threads (a
+    rank's: see ``_cmd_plan``)."""
+    import dataclasses
+
+    import torch
+
+    from ..plan.calibrate import calibrate
+    from ..plan.measure import Measured, job_input, job_workload, parse_shape
+    from ..plan.predict import HOOKS, synthetic_workload
+    from ..stepcost import DEFAULT_RANKS
+
+    shape = parse_shape(ns.input_shape) if ns.input_shape else None
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # as train's --accelerator auto
+    measured = Measured(None, torch.get_num_threads(), device, per_node)
+    hooks = {h: ns.powersgd_rank or DEFAULT_RANKS.get(h, 2) for h in HOOKS if h != "none"}
+    if ns.params is not None:
+        if compute is None:
+            raise ConfigError("--params needs --compute-ms (a training step of one rank's "
+                              "batch): without the model there is nothing to measure")
+        work = synthetic_workload(int(ns.params), compute, ns.batch)
+        from ..costprobe import hook_timing
+
+        timed = {h: hook_timing(work, h, r, None, ns.repeats, measured.threads)
+                 for h, r in hooks.items()}
+        return work, dataclasses.replace(measured, hooks=timed)
+    from ..job.config import TrainConfig
+
+    model = ns.model or TrainConfig.model
+    inp = job_input(model, ns.data, ns.data_dir, shape)   # refused here, before any process
+    work = job_workload(model, inp, ns.batch, compute or 0.0)   # an unknown model too
+    job = {"model": model, "data": ns.data, "data_dir": ns.data_dir, "shape": shape,
+           "batch": ns.batch}
+    timed = calibrate(job, per_node, measured.threads, hooks, ns.repeats, compute is None,
+                      device)
+    step = timed.pop("compute", None)
+    if step is not None:
+        work = dataclasses.replace(work, compute_s=step.median)
+    return work, dataclasses.replace(measured, input=inp, compute=step, hooks=timed)

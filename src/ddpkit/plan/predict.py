@@ -1,5 +1,6 @@
-"""``ddpkit plan``'s predictions: a model's gradient buckets and its measured compute time fed to
-the cost model (``ddpkit.stepcost``) for every node count and comm hook, and the recommendation.
+"""``ddpkit plan``'s predictions: a model's gradient buckets and its measured compute time
+(``.measure``) fed to the cost model (``ddpkit.stepcost``) for every node count and comm hook,
+and the recommendation.
 """
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..costprobe import Workload, measure_compute, workload_of
+from ..costprobe import Workload, workload_of
 from ..stepcost import DEFAULT_RANKS, GAIN, Link, StepTime, step_time
 
-__all__ = ["Row", "synthetic_workload", "model_workload", "predict", "recommend", "HOOKS", "GAIN"]
+__all__ = ["Row", "synthetic_workload", "predict", "recommend", "HOOKS", "GAIN"]
 
 #: The hooks compared, in the order of preference when they tie.
 HOOKS = ("none", "bf16", "powersgd", "powersgd-batched")
@@ -30,28 +31,6 @@ def synthetic_workload(params: int, compute_s: float, batch: int) -> Workload:
                               for _ in range(matrices)] +
                              ([nn.Parameter(torch.empty(rest, device="meta"))] if rest else []))
     return workload_of(model, compute_s, batch, f"{params:,} parameters as 1024x1024 matrices")
-
-
-def model_workload(name: str, batch: int, compute_s: Optional[float] = None,
-                   device: Optional[torch.device] = None) -> Workload:
-    """A built-in model of ``ddpkit train`` (or ``torchvision:<name>``), its forward+backward
-    measured on ``device`` for ``batch`` samples unless ``compute_s`` is given.
-
-    Example::
-
-        model_workload("resnet18", batch=32)
-    """
-    from ..job.models import LANGUAGE_MODELS, build_model, model_key
-
-    text = not name.startswith("torchvision:") and model_key(name) in LANGUAGE_MODELS
-    model = build_model(name, 256 if text else 10, 1 if text else 3)
-    if compute_s is None:
-        device = device or torch.device("cpu")
-        model = model.to(device)
-        example = torch.randint(0, 256, (batch, 128), device=device) if text else \
-            torch.randn(batch, 3, 32, 32, device=device)
-        compute_s = measure_compute(model, example)
-    return workload_of(model, compute_s, batch, name)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..costprobe import Workload
 from ..stepcost import Link
+from .measure import Measured
 from .predict import Row, recommend
 
 __all__ = ["table", "advice", "assumptions", "as_json"]
@@ -47,33 +48,51 @@ def advice(rows: Sequence[Row], rank: Optional[int] = None) -> List[str]:
     return out
 
 
-def assumptions(work: Workload, link: Link, hooks: Dict[str, float], inside: Link) -> List[str]:
-    """What the numbers rest on, stated. Example::
+def assumptions(work: Workload, link: Link, measured: Measured, inside: Link) -> List[str]:
+    """What the numbers rest on, stated: among them the input, the threads and each timing's
+    spread. Example::
 
-        assumptions(work, LINKS["1gbit"], {"bf16": 0.004, "powersgd": 0.02}, LINKS["10gbit"])
+        assumptions(work, LINKS["1gbit"], measured, LINKS["10gbit"])
     """
-    measured = ", ".join(f"{h} {1e3 * s:.1f} ms" for h, s in hooks.items() if h != "none")
     return [f"model: {work.name}, {work.params:,} parameters, {len(work.bucket_shapes)} "
             f"bucket(s) (1 MiB first, then 25 MiB, as DDP makes them)",
-            f"compute: {1e3 * work.compute_s:.1f} ms forward+backward for {work.batch} "
-            "samples per rank; forward 1/3 of it, gradients ready in proportion to their bytes",
+            _compute(work, measured),
             f"between nodes: {link.name}, alpha {1e6 * link.alpha:.1f} us, beta "
             f"{link.beta / 1e6:.1f} MB/s" + (f", overlap {link.overlap:.2f} (measured)"
                                             if link.overlap != 1.0 else "") +
-            f"; inside a node: {inside.name}",
-            f"ring all-reduce; each hook's own compute per step: the hook as DDP runs it, timed "
-            f"here on the gradients' shapes, half inline, half after its bucket's all-reduce: "
-            f"{measured}"]
+            f"; inside a node: {inside.name}" + (f", alpha {1e6 * inside.alpha:.1f} us, beta "
+                                                 f"{inside.beta / 1e6:.1f} MB/s"
+                                                 if inside.name != link.name else ""),
+            "ring all-reduce; each hook's own compute per step: the hook as DDP runs it, timed "
+            "here on the gradients' shapes as the compute was, half inline, half after its "
+            "bucket's all-reduce: " +
+            (", ".join(f"{h} {t}" for h, t in measured.hooks.items() if h != "none") or "none")]
 
 
-def as_json(rows: Sequence[Row], work: Workload, link: Link) -> str:
+def _compute(work: Workload, measured: Measured) -> str:
+    """The compute line: what was timed, on which input, with how many threads, and the spread."""
+    if measured.compute is None:
+        return (f"compute: {1e3 * work.compute_s:.1f} ms a step for {work.batch} samples per "
+                "rank (--compute-ms); forward 1/3 of it, gradients ready in proportion to their "
+                "bytes")
+    return (f"compute: {measured.compute} a training step (batch drawn, forward, loss, "
+            f"backward, SGD step; DDP over a group of one) of {work.batch} samples, input "
+            f"{measured.input.describe()}, on {measured.ranks_per_node} rank(s) of this node at "
+            f"once on {measured.device} with {measured.threads} thread(s) each (as ddpkit train "
+            "sets them), the slowest's; forward 1/3 of it, gradients ready in proportion to "
+            "their bytes")
+
+
+def as_json(rows: Sequence[Row], work: Workload, link: Link,
+            measured: Optional[Measured] = None) -> str:
     """The prediction for machines. Example::
 
-        open("plan.json", "w").write(as_json(rows, work, link))
+        open("plan.json", "w").write(as_json(rows, work, link, measured))
     """
     data: Dict[str, Any] = {
         "workload": {"name": work.name, "params": work.params, "compute_s": work.compute_s,
                      "batch": work.batch, "buckets": len(work.bucket_shapes)},
+        "measured": None if measured is None else _measured(measured),
         "link": dataclasses.asdict(link),
         "rows": [{"nodes": r.nodes, "ranks": r.ranks, "hook": r.hook,
                   "samples_per_s": r.samples_per_s, "efficiency": r.efficiency,
@@ -81,3 +100,12 @@ def as_json(rows: Sequence[Row], work: Workload, link: Link) -> str:
         "recommendation": {str(k): {"hook": h, "gain": g} for k, (h, g) in
                            recommend(rows).items()}}
     return json.dumps(data, indent=2)
+
+
+def _measured(measured: Measured) -> Dict[str, Any]:
+    return {"input": None if measured.input is None else {
+                "shape": list(measured.input.shape), "source": measured.input.source},
+            "threads": measured.threads, "device": measured.device,
+            "ranks_per_node": measured.ranks_per_node,
+            "compute": None if measured.compute is None else dataclasses.asdict(measured.compute),
+            "hooks": {h: dataclasses.asdict(t) for h, t in measured.hooks.items()}}

@@ -1,0 +1,217 @@
+"""What one rank of the job costs, timed as the job's ranks run: the node's ranks started at once
+on this host, each timing the job's training step (its batch drawn, forward, loss, backward, the
+optimizer) under DDP over a process group of its own (its bucket copies and averaging run, its
+all-reduce costs nothing) and each comm hook on the gradients' shapes, in step; the slowest
+rank's timings. ``python -m ddpkit.plan.calibrate``
+is one such rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from ..costprobe import Timing, sync_device
+
+__all__ = ["calibrate", "main"]
+
+#: A rank waits this long for the others before giving up (a rank that died).
+WAIT_S = 300
+
+
+def calibrate(job: Dict[str, Any], ranks: int, threads: int, hooks: Dict[str, int],
+              repeats: int = 7, step: bool = True, device: str = "cpu",
+              timeout_s: float = 900) -> Dict[str, Timing]:
+    """Time ``job`` (``model``, ``data``, ``data_dir``, ``shape``, ``batch``: see
+    :func:`ddpkit.plan.measure.job_input`) on ``ranks`` processes at once with ``threads``
+    each: its training step (when ``step``; key ``"compute"``) and each hook of ``hooks``
+    (PowerSGD's rank as the value), ``repeats`` times after warm-up. A rank timed alone
+    misses what the node's other ranks take from it (3 ranks on 2 cores ran lock-step DDP at
+    30 ms a step where one alone said 20).
+
+    Example::
+
+        calibrate({"model": "small_cnn", "batch": 32}, ranks=2, threads=1, hooks={"bf16": 0})
+    """
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # OMP_NUM_THREADS as ddpkit's launchers pass it to a rank: set_num_threads alone left the
+    # OpenMP pool of the import spinning beside the other rank (2.0 s a ResNet-18 step here,
+    # where the job's ranks took 1.3 s)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(
+        p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    with tempfile.TemporaryDirectory(prefix="ddpkit-plan-") as tmp:
+        spec = {**job, "world": ranks, "threads": threads, "hooks": hooks, "repeats": repeats,
+                "step": step, "device": device, "store": os.path.join(tmp, "store")}
+        logs = [open(os.path.join(tmp, f"rank{r}.{kind}"), "w+") for r in range(ranks)
+                for kind in ("out", "err")]
+        procs = [subprocess.Popen([sys.executable, "-m", "ddpkit.plan.calibrate", json.dumps(spec),
+                                   str(r)], stdout=logs[2 * r], stderr=logs[2 * r + 1], env=env)
+                 for r in range(ranks)]
+        failed = _wait(procs, timeout_s)
+        for log in logs:
+            log.seek(0)
+        said = [log.read() for log in logs]
+        for log in logs:
+            log.close()
+    if failed is not None:
+        lines = (said[2 * failed + 1].strip() or f"no answer within {timeout_s:g} s").splitlines()
+        raise RuntimeError(f"timing the job on {ranks} rank(s) failed on rank {failed}: "
+                           f"{lines[-1]}")
+    found = json.loads(said[0].strip().splitlines()[-1])
+    return {name: Timing.of(samples) for name, samples in found.items()}
+
+
+def _wait(procs: List[subprocess.Popen], timeout_s: float) -> Optional[int]:
+    """Wait for every rank; the first that fails (or, past ``timeout_s``, the first still
+    running) stops the rest. Returns that rank, or None when all ended well."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        bad = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        late = time.monotonic() > deadline
+        if bad is not None or late:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            return bad if bad is not None else 0
+        time.sleep(0.02)
+    return next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+
+
+def _in_step(fn: Callable[[], Any], repeats: int, device: torch.device,
+             warmup: int = 2) -> List[float]:
+    """``fn`` timed ``repeats`` times on every rank, each time started together (a barrier)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        sync_device(device)
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        sync_device(device)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def _hook_in_step(shapes: Sequence[Any], hook: str, rank: int, group: Any, repeats: int,
+                  device: torch.device) -> List[float]:
+    """The hook as the DDP engine registers it, over ``group`` (this rank's own), each step
+    started together: from the barrier after one step to the end of the next is one step
+    (the first, a warm-up that allocates PowerSGD's P, Q and error, drops)."""
+    import torch.distributed as dist
+
+    from ..autohook import time_hooks
+    from ..engines.ddp import comm_hook_for
+    from ..wrap import WrapOptions
+
+    ends: List[float] = []
+    starts: List[float] = []
+
+    def after_step() -> None:
+        ends.append(time.perf_counter())
+        dist.barrier()
+        starts.append(time.perf_counter())
+
+    time_hooks(shapes, [(hook, rank)], lambda name, r, g=None: comm_hook_for(
+        name, WrapOptions(powersgd_rank=r), g), device, group=group, steps=repeats,
+        after_step=after_step)
+    return [end - start for start, end in zip(starts, ends[1:])]
+
+
+def _batches(inp: Any, batch: int, device: torch.device) -> Iterator[Any]:
+    """Batches as the job's loader gives them on CPU: drawn from its dataset through a
+    DataLoader (no workers, as ``ddpkit train``'s default), which is part of a step; on a GPU
+    (the job keeps the data there) or without the dataset, one batch again and again."""
+    from torch.utils.data import DataLoader
+
+    from .measure import job_batch
+
+    if device.type != "cpu" or inp.dataset is None or len(inp.dataset) < batch:
+        fixed = job_batch(inp, batch, device)
+        while True:
+            yield fixed
+    while True:
+        yield from DataLoader(inp.dataset, batch_size=batch, shuffle=True, drop_last=True)
+
+
+def _rank(spec: Dict[str, Any], rank: int) -> Dict[str, List[float]]:
+    """One rank: the job's step under DDP over its own group, then each hook; every rank's
+    samples, step by step, the slowest's (they ran in step)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..batches import default_loss, logits_of
+    from ..costprobe import workload_of
+    from ..job.build import build_optimizer
+    from ..job.config import TrainConfig
+    from .measure import job_input, job_model
+
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else \
+        torch.device("cpu")
+    alone = [dist.new_group([r], backend="nccl" if cuda else "gloo")
+             for r in range(spec["world"])]   # every rank makes every group
+    inp = job_input(spec["model"], spec.get("data"), spec.get("data_dir"), spec.get("shape"))
+    model = job_model(spec["model"], inp).to(device).train()
+    found: Dict[str, List[float]] = {}
+    if spec["step"]:
+        ddp = DistributedDataParallel(model, process_group=alone[rank])
+        optimizer = build_optimizer(TrainConfig(), ddp)   # the job's: SGD with momentum
+        batches = _batches(inp, spec["batch"], device)
+
+        def step() -> None:
+            x, y = next(batches)
+            optimizer.zero_grad(set_to_none=True)
+            default_loss(logits_of(ddp(x)), y).backward()
+            optimizer.step()
+
+        found["compute"] = _in_step(step, spec["repeats"], device)
+    shapes = workload_of(model, 0.0, spec["batch"]).bucket_shapes
+    for hook, power_rank in spec["hooks"].items():
+        found[hook] = _hook_in_step(shapes, hook, power_rank, alone[rank], spec["repeats"],
+                                    device)
+    names = list(found)
+    flat = torch.tensor([s for n in names for s in found[n]], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)   # step by step, the slowest rank's
+    out, at = {}, 0
+    for name in names:
+        out[name], at = flat[at:at + len(found[name])].tolist(), at + len(found[name])
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """One rank: ``python -m ddpkit.plan.calibrate SPEC_JSON RANK`` (started by
+    :func:`calibrate`); rank 0 prints the slowest rank's samples as JSON.
+
+    Example::
+
+        main([json.dumps(spec), "0"])
+    """
+    import torch.distributed as dist
+
+    args = sys.argv[1:] if argv is None else argv
+    spec, rank = json.loads(args[0]), int(args[1])
+    torch.set_num_threads(spec["threads"])   # a rank's share, as ddpkit train sets it
+    dist.init_process_group("gloo", init_method="file://" + spec["store"], rank=rank,
+                            world_size=spec["world"], timeout=timedelta(seconds=WAIT_S))
+    found = _rank(spec, rank)
+    if rank == 0:
+        print(json.dumps(found), flush=True)
+    # not a clean exit: a group made here can be freed last by one of gloo's own threads,
+    # which then joins itself and aborts the process ("Resource deadlock avoided")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
