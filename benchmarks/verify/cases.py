@@ -22,7 +22,7 @@ EXPECTED = {}
 
 def expected(path: str) -> str:
     text = open(path).read()
-    m = re.search(r"# FAIL \[([\w-]+)\]", text)
+    m = re.search(r"FAIL \[([\w-]+)\]", text)
     if m:
         return m.group(1)
     m = re.search(r"EXPECT:\s*(.+)", text)
@@ -30,7 +30,14 @@ def expected(path: str) -> str:
     return EXPECTED.get(os.path.basename(path), label)
 
 
+def steps_of(path: str, default: int) -> int:
+    """The --steps a planted script's docstring runs it with (an epoch shorter than 10)."""
+    m = re.search(r"ddpkit verify [^\n]*--steps (\d+)", open(path).read())
+    return int(m.group(1)) if m else default
+
+
 def run(path: str, steps: int, timeout: float) -> dict:
+    steps = steps_of(path, steps)
     with tempfile.NamedTemporaryFile(suffix=".json") as report:
         start = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "ddpkit", "verify", "--steps", str(steps),
@@ -45,7 +52,7 @@ def run(path: str, steps: int, timeout: float) -> dict:
     return {"script": path, "rc": proc.returncode, "verdict": verdict,
             "cause": data.get("cause") or "", "expected": expected(path),
             "evidence": data.get("evidence") or data.get("notes") or [last],
-            "seconds": round(took, 1), "line": last}
+            "seconds": round(took, 1), "line": last, "steps": steps}
 
 
 def main() -> None:
@@ -62,12 +69,12 @@ def main() -> None:
         rows.append(row)
         print(f"{row['verdict']:5} {row['cause'] or '-':24} expected {row['expected']:24} "
               f"{row['seconds']:6.1f} s  {path}", flush=True)
-    table = ["| script | expected | verdict | cause named | evidence (first line) | s |",
-             "|---|---|---|---|---|---|"]
+    table = ["| script | expected | verdict | cause named | evidence (first line) | steps | s |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         ev = (r["evidence"][0] if r["evidence"] else "").replace("|", "/")
         table.append(f"| `{r['script']}` | {r['expected']} | {r['verdict']} | "
-                     f"{r['cause'] or '-'} | {ev[:160]} | {r['seconds']} |")
+                     f"{r['cause'] or '-'} | {ev[:160]} | {r['steps']} | {r['seconds']} |")
     if args.out:
         open(args.out, "w").write("\n".join(table) + "\n")
     if args.json:

@@ -12,7 +12,7 @@ import ddpkit
 
 rt = ddpkit.setup(seed=0)
 g = torch.Generator().manual_seed(0)
-data = TensorDataset(torch.randn(512, 8, generator=g), torch.randint(0, 4, (512,), generator=g))
+data = TensorDataset(torch.randn(1024, 8, generator=g), torch.randint(0, 4, (1024,), generator=g))
 val = TensorDataset(torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g))
 model = rt.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)

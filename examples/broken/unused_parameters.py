@@ -1,7 +1,7 @@
 """A planted bug for `ddpkit verify`: an auxiliary head used on rank 0 only, so its parameters get
 no gradient on the other ranks (DDP cannot finish its reduction).
 
-    ddpkit verify --nproc 2 examples/broken/unused_parameters.py   # FAIL: unused parameters
+    ddpkit verify --nproc 2 examples/broken/unused_parameters.py   # FAIL [unused-parameters]
 """
 import torch
 from torch import nn
