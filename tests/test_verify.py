@@ -481,3 +481,15 @@ def test_correct_language_models_with_attention_dropout_pass(tmp_path, script):
     verdict = compare(one, many, reordered, steps=3)
     assert verdict.passed, (verdict.cause, verdict.why, verdict.steps)
     assert any(note.startswith("dropout off") for note in verdict.notes), verdict.notes
+
+
+def test_a_script_that_hangs_only_on_n_processes_is_a_fail_not_a_usage_error():
+    """A collective under `if rank == 0:` (examples/broken/rank0_collective.py): 1 process
+    trains, 2 hang (or the launcher reports the stuck rank): a 1-vs-N divergence, exit 1 with
+    its evidence, never exit 2."""
+    proc = _ddpkit("verify", "--steps", "3", "--timeout", "45",
+                   os.path.join(BROKEN, "rank0_collective.py"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(("FAIL [hangs-on-n]", "FAIL [fails-on-n]")), proc.stdout
+    assert "evidence: 1 process: 3 optimizer steps recorded" in proc.stdout, proc.stdout

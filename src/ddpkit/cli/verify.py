@@ -52,7 +52,8 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
     verdict = verify(ns.script, ns.script_args, ns.nproc, ns.steps, timeout=ns.timeout,
                      accum=ns.accum_steps, eval_within=ns.eval_within)
-    print(table(verdict, ns.nproc))
+    if verdict.steps:  # none when a run failed or hung before any step compared
+        print(table(verdict, ns.nproc))
     print(summary(verdict, ns.nproc, ns.script, ns.accum_steps), flush=True)
     if ns.json:
         with open(ns.json, "w") as f:

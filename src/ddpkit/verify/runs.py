@@ -30,9 +30,17 @@ _UNUSED = ("Expected to have finished reduction", "did not receive grad")
 class Diverged(Exception):
     """A run failed in a way that is itself the answer (DDP's unused-parameter error)."""
 
-    def __init__(self, cause: str, why: str) -> None:
+    def __init__(self, cause: str, why: str, evidence: Sequence[str] = ()) -> None:
         super().__init__(why)
-        self.cause, self.why = cause, why
+        self.cause, self.why, self.evidence = cause, why, list(evidence)
+
+
+class RunFailed(ConfigError):
+    """A run that failed or hung: ``hung`` for a timeout; ``said`` is its own last word."""
+
+    def __init__(self, message: str, said: str, hung: bool = False) -> None:
+        super().__init__(message)
+        self.said, self.hung = said, hung
 
 
 def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directory: str,
@@ -65,13 +73,17 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
     proc = _run([*launch, script, *args], env, timeout, f"{script} on {nproc} process(es)")
     record = load(directory)
     if proc.returncode != 0 and any(marker in proc.stderr for marker in _UNUSED):
+        said = next(line.strip() for line in proc.stderr.splitlines()
+                    if any(marker in line for marker in _UNUSED))
         raise Diverged("unused-parameters", f"on {nproc} processes some parameters got no "
                                             "gradient on some ranks, and DDP stopped waiting "
                                             "for them (unused parameters): make every rank use "
                                             "every parameter in its forward, or wrap with "
-                                            "find_unused_parameters=True")
+                                            "find_unused_parameters=True",
+                       [f"DDP on {nproc} processes: {said[:300]}"])
     if proc.returncode != 0:
-        raise ConfigError(_failed(script, nproc, proc.stderr, record))
+        message = _failed(script, nproc, proc.stderr, record)
+        raise RunFailed(message, message.split(": ", 1)[-1])
     if nproc > 1 and record.started:
         return record
     return _checked(script, record, steps, whole_epoch, nproc_many, accum if nproc == 1 else 1)
@@ -89,8 +101,9 @@ def _run(command: list, env: dict, timeout: Optional[float],
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise ConfigError(f"{what} ran past {timeout:g} s without recording its steps: does it "
-                          "wait for input or hang? Run it with ddpkit run to see") from None
+        raise RunFailed(f"{what} ran past {timeout:g} s without recording its steps: does it "
+                        "wait for input or hang? Run it with ddpkit run to see",
+                        f"still running after {timeout:g} s", hung=True) from None
     except BaseException:  # Ctrl-C: the runs go with verify
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -191,9 +204,27 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
                 if name == "one":
                     _check_divides(records["one"], nproc)
         except Diverged as exc:
-            return Verdict(passed=False, steps=[], largest=None, cause=exc.cause, why=exc.why)
+            return Verdict(passed=False, steps=[], largest=None, cause=exc.cause, why=exc.why,
+                           evidence=exc.evidence)
+        except RunFailed as exc:
+            if "one" not in records or "many" in records:  # 1 process fails too: no comparison
+                raise
+            return _fails_on_n(records["one"], nproc, exc)
     return compare(records["one"], records["many"], records["reordered"], records["again"],
                    steps, eval_within)
+
+
+def _fails_on_n(one: RunRecord, nproc: int, exc: RunFailed) -> Verdict:
+    """1 process trains, N fail or hang: the divergence is the verdict, not a usage error."""
+    what = "hangs" if exc.hung else "fails"
+    hint = ("a collective that not every rank reaches (under `if rank == 0:`), or ranks with "
+            "different numbers of batches" if exc.hung else
+            "code that only runs distributed (a collective, a rank-dependent shape)")
+    return Verdict(passed=False, steps=[], largest=None, cause=f"{what}-on-n",
+                   why=f"the script {what} on {nproc} processes where 1 process trains "
+                       f"{len(one.steps)} steps: look at {hint}",
+                   evidence=[f"1 process: {len(one.steps)} optimizer steps recorded",
+                             f"{nproc} processes: {exc.said[:300]}"])
 
 
 def _check_divides(one: RunRecord, nproc: int) -> None:
