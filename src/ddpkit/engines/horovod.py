@@ -233,7 +233,10 @@ class HorovodEngine(Engine):
         return list(self._module().allgather_object(obj))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self._module().broadcast_object(obj, root_rank=src)
+        # Horovod names the collective after type(obj) unless told: None on the receiving
+        # ranks and a list on the root would be two collectives, each waiting for the other.
+        return self._module().broadcast_object(obj, root_rank=src,
+                                               name="ddpkit.broadcast_object")
 
 
 def _require_optimizer(module: nn.Module, args: Any) -> None:
