@@ -487,7 +487,7 @@ def test_a_script_that_hangs_only_on_n_processes_is_a_fail_not_a_usage_error():
     """A collective under `if rank == 0:` (examples/broken/rank0_collective.py): 1 process
     trains, 2 hang (or the launcher reports the stuck rank): a 1-vs-N divergence, exit 1 with
     its evidence, never exit 2."""
-    proc = _ddpkit("verify", "--steps", "3", "--timeout", "45",
+    proc = _ddpkit("verify", "--steps", "3", "--timeout", "30",
                    os.path.join(BROKEN, "rank0_collective.py"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
