@@ -1,7 +1,8 @@
 """``ddpkit verify``: does a user's own script compute the same on N processes as on one? It runs
 the unchanged script several ways (``runs``), merges what every rank recorded (``records``),
-compares step by step within measured tolerances and names the cause of a difference
-(``compare``), then prints the table and the verdict (``report``).
+compares step by step within measured tolerances (``compare``), names a cause only on its own
+evidence (``diagnose``, ``evidence``, ``metrics``; otherwise ``unexplained``), then prints the
+table, the evidence and the verdict (``report``).
 """
 from .compare import Verdict, compare
 from .runs import verify
