@@ -158,7 +158,6 @@ class Probe:
 
         torch.nn.utils.clip_grad_norm_ = recorded_clip
         torch.nn.utils.clip_grad.clip_grad_norm_ = recorded_clip
-        _rebind(clip, recorded_clip)  # `from torch.nn.utils import clip_grad_norm_` in scripts
         iterate = torch.utils.data.DataLoader.__iter__
 
         def watched_iter(loader: Any) -> Any:
@@ -172,8 +171,9 @@ class Probe:
             self._hold.install()
         pairs = watch.watch_collectives(self._collective, self._gradients) + \
             watch.watch_losses(lambda reduction, n: self._loss_counts.append([reduction, n]))
-        for original, replacement in pairs:
-            _rebind(original, replacement)  # `from torch.distributed import all_reduce`
+        # `from torch.nn.utils import clip_grad_norm_`, `from torch.distributed import
+        # all_reduce` in scripts: their names too, in one pass over the loaded modules
+        _rebind(dict([(clip, recorded_clip), *pairs]))
         sys.stdout = watch.PrintTee(sys.stdout, lambda line: self._write(
             {"event": "print", "text": line, "step": self.step}))
         import atexit
@@ -385,13 +385,15 @@ def _divided(tensors: Any, grads: Any, k: int) -> Any:
     return type(grads)(None if g is None else g / k for g in grads)
 
 
-def _rebind(original: Any, replacement: Any) -> None:
-    """Point the script's own names for ``original`` (imported before setup) at ``replacement``."""
+def _rebind(replacements: Dict[Any, Any]) -> None:
+    """Point the script's own names for each original (imported before setup) at its
+    replacement."""
+    by_id = {id(original): new for original, new in replacements.items()}
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").startswith(("torch", "ddpkit")):
             continue
         names = getattr(module, "__dict__", None)
         if isinstance(names, dict):
             for key, value in list(names.items()):
-                if value is original:
-                    names[key] = replacement
+                if id(value) in by_id:  # the originals stay alive: ids are theirs
+                    names[key] = by_id[id(value)]

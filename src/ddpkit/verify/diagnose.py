@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Optional, Tuple
 
 from .compare import relative
+from .evidence import gradient_collectives
 from .records import RunRecord, Step
 
 __all__ = ["diagnose", "loader_mismatch"]
@@ -238,8 +239,7 @@ def _gradients(one: RunRecord, many: RunRecord, a: Step, b: Step,
                tolerance: float) -> Optional[Diagnosis]:
     if relative(a.grad_norm, b.grad_norm) <= tolerance:
         return None
-    calls = [c for c in (many.collectives[0] if many.collectives else [])
-             if c.get("grad") and c.get("phase") == "train" and c.get("step") == a.step - 1]
+    calls = [c for c in gradient_collectives(many) if c.get("step") == a.step - 1]
     if calls:
         return ("gradients-reduced-twice", f"step {a.step}: the script reduces parameter "
                                            f"gradients itself ({calls[0]['fn']}"
