@@ -1,10 +1,12 @@
-"""The README's generated blocks, made from the code so they cannot drift from it.
+"""The generated blocks of README.md and the docs pages, made from the code so they cannot drift.
 
     python scripts/readme.py           # check: exit 1 and name each block that differs
-    python scripts/readme.py --write   # rewrite those blocks in README.md
+    python scripts/readme.py --write   # rewrite those blocks where they are
 
-A block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``; tests/test_layout.py
-runs the check in ``make test``.
+A block sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` in README.md or in
+any page under docs/ (``docs/**/*.md``). Each name in ``BLOCKS`` appears exactly once across those
+files; a name that is not in ``BLOCKS``, a name that appears twice, and a name that appears nowhere
+are errors (exit 1), in both modes. tests/test_layout.py runs the check in ``make test``.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Callable, Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 PACKAGE = ROOT / "src" / "ddpkit"
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)",
                    re.S)
@@ -211,8 +214,11 @@ def runtime_api() -> str:
     return "\n".join(rows) + "\n"
 
 
-BLOCKS: Dict[str, Callable[[], str]] = {"example-diff": example_diff, "lm-diff": lm_diff,
-                                        "imagenet-diff": imagenet_diff, "gpt-diff": gpt_diff,
+#: Each block by name: the function that makes it. ``example-diff`` is the README's; ``train-diff``
+#: is the same diff on the docs site's "Convert your script" page (names are unique across files).
+BLOCKS: Dict[str, Callable[[], str]] = {"example-diff": example_diff, "train-diff": example_diff,
+                                        "lm-diff": lm_diff, "imagenet-diff": imagenet_diff,
+                                        "gpt-diff": gpt_diff,
                                         "conversion-counts": conversion_counts,
                                         "runtime-api": runtime_api, "sbatch": sbatch,
                                         "run-usage": run_usage, "module-map": module_map,
@@ -221,38 +227,73 @@ BLOCKS: Dict[str, Callable[[], str]] = {"example-diff": example_diff, "lm-diff":
                                         "k8s-trainjob": k8s_trainjob}
 
 
+def files() -> List[Path]:
+    """README.md and every Markdown page under docs/, in a stable order."""
+    return [README] + sorted(DOCS.rglob("*.md"))
+
+
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def locate(paths: List[Path]) -> Dict[str, Path]:
+    """Where each generated block is: its name to the one file that holds it. Raises SystemExit
+    (exit 1) naming an unknown block, or a block that appears more than once."""
+    where: Dict[str, Path] = {}
+    for path in paths:
+        for match in BLOCK.finditer(path.read_text()):
+            name = match.group("name")
+            if name not in BLOCKS:
+                raise SystemExit(f"{_name(path)}: unknown generated block {name!r}")
+            if name in where:
+                raise SystemExit(f"generated block {name!r} appears twice: in {_name(where[name])}"
+                                 f" and in {_name(path)}; each block belongs in one file")
+            where[name] = path
+    return where
+
+
 def render(text: str) -> str:
     """``text`` with every generated block made anew."""
     def fill(match: re.Match) -> str:
         name = match.group("name")
         if name not in BLOCKS:
-            raise SystemExit(f"README.md: unknown generated block {name!r}")
+            raise SystemExit(f"unknown generated block {name!r}")
         return match.group(1) + BLOCKS[name]() + match.group(4)
     return BLOCK.sub(fill, text)
 
 
 def stale(text: str) -> List[str]:
-    """Names of the blocks whose text differs from what the code makes now."""
-    found = {m.group("name"): m.group("body") for m in BLOCK.finditer(text)}
-    missing = [name for name in BLOCKS if name not in found]
-    return missing + [name for name, body in found.items() if BLOCKS[name]() != body]
+    """Names of the blocks in ``text`` whose body differs from what the code makes now."""
+    return [m.group("name") for m in BLOCK.finditer(text)
+            if m.group("name") not in BLOCKS or BLOCKS[m.group("name")]() != m.group("body")]
 
 
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="rewrite the stale blocks")
     ns = parser.parse_args(argv)
-    text = README.read_text()
-    names = stale(text)
+    paths = files()
+    where = locate(paths)
+    missing = [name for name in BLOCKS if name not in where]
+    found = {path: stale(path.read_text()) for path in paths}
+    found = {path: names for path, names in found.items() if names}
     if ns.write:
-        README.write_text(render(text))
-        print(f"README.md: rewrote {', '.join(names) or 'nothing (all current)'}")
-        return 0
-    if names:
-        print(f"README.md is stale in: {', '.join(names)}; run python scripts/readme.py --write",
+        for path, names in found.items():
+            path.write_text(render(path.read_text()))
+            print(f"{_name(path)}: rewrote {', '.join(names)}")
+        if not found:
+            print("generated blocks: rewrote nothing (all current)")
+    elif found:
+        where_stale = "; ".join(f"{_name(path)}: {', '.join(names)}"
+                                for path, names in found.items())
+        print(f"stale generated blocks in {where_stale}; run python scripts/readme.py --write",
+              file=sys.stderr)
+    if missing:
+        print(f"generated block(s) {', '.join(missing)} appear in no file (README.md, docs/*.md): "
+              f"put <!-- generated: NAME --> ... <!-- end: NAME --> where each belongs",
               file=sys.stderr)
         return 1
-    return 0
+    return 1 if found and not ns.write else 0
 
 
 if __name__ == "__main__":

@@ -217,10 +217,10 @@ def test_the_grace_line_warns_when_a_stop_cannot_end_in_a_checkpoint():
         20.0, 15.0, {"TORCHELASTIC_RUN_ID": "job"})
     assert grace_line(20.0, 15.0, {}) is None
     assert grace_line(20.0, 15.0, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}) is None
-    # the README's Kubernetes section shows this very line
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "README.md")
-    with open(readme) as f:
+    # the docs' page on failures and preemption shows this very line
+    page = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "docs", "failures.md")
+    with open(page) as f:
         assert line in f.read().splitlines()
 
 

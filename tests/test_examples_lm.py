@@ -1,5 +1,6 @@
-"""The README's language-model examples: the plain script converted with ddpkit, and a Hugging
-Face transformers causal LM (built from a config) under `ddpkit run`; 1 process == 2 processes."""
+"""The language-model examples of docs/convert.md: the plain script converted with ddpkit, and a
+Hugging Face transformers causal LM (built from a config) under `ddpkit run`; 1 process ==
+2 processes."""
 import importlib.util
 import os
 import subprocess

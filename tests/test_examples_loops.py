@@ -1,5 +1,6 @@
-"""The README's conversions of real scripts that keep their own loop: examples/imagenet_ddpkit.py
-(pytorch/examples imagenet/main.py's shape) and examples/gpt_ddpkit.py (nanoGPT's train.py).
+"""The conversions of real scripts that keep their own loop (docs/convert.md):
+examples/imagenet_ddpkit.py (pytorch/examples imagenet/main.py's shape) and
+examples/gpt_ddpkit.py (nanoGPT's train.py).
 
 Each runs on 2 processes under `ddpkit run`; evaluates as many samples on 1 and 2 processes as
 its plain original does; after kill -9 of one worker (`--max-restarts 1`) and after SIGTERM to
@@ -68,7 +69,8 @@ EXAMPLES = {
 }
 
 
-#: The plain originals (the README diffs' "before"), short: script and flags for a directory.
+#: The plain originals (the "before" of docs/convert.md's diffs), short: script and flags for a
+#: directory.
 PLAIN = {
     "imagenet": ("examples/imagenet_plain.py",
                  lambda out: ["--epochs", "1", "--workers", "0", "--out", os.path.join(out, "p.pt"),

@@ -1,5 +1,6 @@
 """The house: the layering contract covers every core module, every public name documents
-itself with an example, modules stay small, and the README's generated blocks are current."""
+itself with an example, modules stay small, and the generated blocks of README.md and docs/ are
+current."""
 import ast
 import inspect
 import subprocess

@@ -1,6 +1,7 @@
 """``ddpkit.plan``: the alpha-beta ring formula, nccl-tests' bandwidths, a fit that recovers the
 link it was made from, DDP's buckets, each hook's bytes and compute, the overlapped step, the
 recommendation's 5% rule, and ``ddpkit plan`` on the command line (bad input one line each)."""
+import dataclasses
 import json
 import math
 
@@ -172,6 +173,7 @@ def test_plan_on_the_command_line(tmp_path, capsys):
     (["--input-shape", "3,32"], "--input-shape '3,32'"),
     (["--nproc", "none"], "--nproc 'none'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--host-ranks", "0"], "--host-ranks must be >= 1"),
 ])
 def test_bad_plan_input_is_one_line(args, said, capsys):
     assert main(["plan", *args]) == 2
@@ -186,13 +188,14 @@ def test_a_synthetic_model_is_stated_as_such():
 
 
 def test_hook_compute_is_measured_on_the_gradients_shapes():
-    from ddpkit.costprobe import hook_timing, measure_hook
+    from ddpkit.plan.calibrate import calibrate
 
     work = workload_of(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 10)), 0.01, 8)
-    assert measure_hook(work, "none") == 0.0
-    bf16 = hook_timing(work, "bf16", repeats=3, threads=1)     # a rank's threads, repeated
-    assert bf16.count == 3 and 0 < bf16.low <= bf16.median <= bf16.high
-    assert measure_hook(work, "powersgd", rank=2, repeats=2) > 0
+    # a model known only by its gradients' shapes: its hooks alone, on the ranks given
+    timed = calibrate({"shapes": work.bucket_shapes, "batch": 8}, ranks=2, threads=1,
+                      hooks={"bf16": 0, "powersgd": 2}, repeats=3, step=False)
+    assert set(timed) == {"bf16", "powersgd"}
+    assert all(t.count == 3 and 0 < t.low <= t.median <= t.high for t in timed.values())
     shapes = [[(256, 256)]]
     measured = step_time(0.1, shapes, 2, LINKS["100gbit"], "powersgd", hook_s=0.05)
     assert measured.hook_compute == 0.05 and measured.total >= 0.15
@@ -254,12 +257,62 @@ def test_the_recommendation_prefers_the_earlier_hook_within_five_percent_as_auto
     assert recommend(odd) == {2: ("int8", pytest.approx(2.0))}   # a hook not in HOOKS: last
 
 
+def test_a_hook_is_recommended_only_for_a_gain_that_holds_over_the_computes_spread():
+    # the plan runs of one 1 Gbit/s cell: bf16 saved 0.4 ms of a 7-11 ms step, and the pick
+    # went none, bf16, none as the compute's median moved
+    work = synthetic_workload(30_762, compute_s=0.0068, batch=32)
+    link = Link("1gbit", 110e-6, 1.2e8)
+    hooks = {"bf16": 1e-4, "powersgd": 1.2e-3, "powersgd-batched": 2e-4}
+    fast = predict(work, [2], link, hook_seconds=hooks)
+    slow = predict(dataclasses.replace(work, compute_s=0.011), [2], link, hook_seconds=hooks)
+    assert recommend(fast)[2][0] == "bf16"          # over 5% at the fast end alone
+    assert recommend(slow)[2][0] == "none"
+    assert recommend(fast, slow) == {2: ("none", 0.0)}
+    # a gain that holds at both ends is still taken (10 Mbit/s: compression wins by far)
+    far = Link("10mbit", 400e-6, 1.2e6)
+    later = dataclasses.replace(work, compute_s=0.011)
+    assert recommend(predict(work, [2], far), predict(later, [2], far))[2][0] != "none"
+
+
+def test_one_nodes_rows_are_its_measured_step_and_each_hooks_modelled_difference():
+    work = synthetic_workload(2 ** 20, compute_s=0.010, batch=32)
+    link = Link("loopback", 137e-6, 1.5e9, overlap=0.1)
+    modelled = {r.hook: r for r in predict(work, [1], link, per_node=2)}
+    rows = {(r.nodes, r.hook): r for r in predict(work, [1, 2], link, per_node=2,
+                                                 node_step=0.0135)}
+    assert rows[1, "none"].step.total == pytest.approx(0.0135)      # measured, as is
+    for hook in ("bf16", "powersgd"):
+        assert rows[1, hook].step.total == pytest.approx(
+            0.0135 + modelled[hook].step.total - modelled["none"].step.total)
+    # across nodes the model stands, on the compute alone
+    assert rows[2, "none"].step == next(r.step for r in predict(work, [2], link, per_node=2)
+                                        if r.hook == "none")
+
+
+def test_nodes_sharing_one_host_are_timed_together(capsys):
+    # two nodes that are namespaces (or containers) on this host: their ranks take its cores
+    # from each other, so the step is timed on both at once, and the output says so
+    assert main(["plan", "--model", "small_cnn", "--batch", "4", "--nodes", "2", "--nproc", "1",
+                 "--host-ranks", "2", "--repeats", "2", "--link", "1gbit"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 ranks of this host (--host-ranks: nodes sharing its cores) at once" in out
+    assert "over the measured compute's spread" in out or "--comm-hook" in out
+    assert main(["plan", "--nproc", "2", "--host-ranks", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --host-ranks 1 is fewer than the node's own ranks (--nproc 2): "
+                   "give at least 2"], err
+
+
 def test_the_job_is_timed_on_the_nodes_ranks_at_once_and_a_failed_rank_is_named():
     from ddpkit.plan.calibrate import calibrate
 
     job = {"model": "small_cnn", "batch": 8}
     timed = calibrate(job, ranks=2, threads=1, hooks={"bf16": 0}, repeats=3)
-    assert set(timed) == {"compute", "bf16"}
+    # one node's whole step too (its ranks' all-reduce measured, not modelled)
+    assert set(timed) == {"compute", "node", "bf16"}
     assert all(t.count == 3 and 0 < t.low <= t.median <= t.high for t in timed.values())
+    # two nodes of one rank sharing this host: no node step to time
+    apart = calibrate(job, ranks=2, threads=1, hooks={}, repeats=2, per_node=1)
+    assert set(apart) == {"compute"}
     with pytest.raises(RuntimeError, match="on 2 rank.* failed on rank .*unknown model"):
         calibrate({"model": "alexnet9", "batch": 8}, ranks=2, threads=1, hooks={}, repeats=1)

@@ -90,7 +90,7 @@ def test_an_unseeded_script_is_named_by_its_second_run(tmp_path):
 # ---------------------------------------------------------------- passes
 def test_the_readme_example_passes_with_a_table_and_a_json_report(tmp_path):
     report = tmp_path / "verify.json"
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "verify.md")) as f:
         assert "ddpkit verify --steps 5 examples/train_ddpkit.py " in f.read()
     proc = _ddpkit("verify", "--steps", "5", "--json", str(report), "examples/train_ddpkit.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr

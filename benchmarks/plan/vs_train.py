@@ -103,7 +103,10 @@ def main():
     print("\n| hook | plan predicted ms, median (min-max) | train measured ms, median (min-max) "
           "| plan / train |\n|---|---|---|---|")
     for hook in hooks:
-        predicted = [pl["steps"][pl["pick"] if hook == "auto" else hook] for pl in plans]
+        # auto: plan's step for the hook each run chose (like against like; whether plan's own
+        # pick agrees is the recommendation line above)
+        predicted = [pl["steps"][hook] for pl in plans] if hook != "auto" else \
+            [statistics.median(pl["steps"][t["chosen"]] for pl in plans) for t in trains[hook]]
         measured = [t["step"] for t in trains[hook]]
         chosen = f" (chose {', '.join(sorted({t['chosen'] for t in trains[hook]}))})" \
             if hook == "auto" else ""

@@ -6,7 +6,8 @@ Root only.
 
 For each rate: ``ddpkit doctor`` measures the link between the two nodes (its JSON is plan's
 ``--link``), then plan's runs and train's runs take turns (plan on the host, one rank a node:
-``--nodes 2 --nproc 1``; train as ``ddpkit train --nnodes 2 --nproc 1`` on both nodes). Every
+``--nodes 2 --nproc 1 --host-ranks 2``, the step timed on both nodes' ranks at once as
+they share this host's cores; train as ``ddpkit train --nnodes 2 --nproc 1`` on both nodes). Every
 rank runs one thread (OMP_NUM_THREADS=1): the two nodes share this host's two cores, one each,
 as two one-core machines would. Links below 1 Gbit/s are shaped strictly (every byte at the
 rate). Train's step is its median over epochs 2.. (the first holds warm-up and auto's measuring).
@@ -57,8 +58,9 @@ def doctor(rate, port, tmp):
 
 def plan(link, tmp, index):
     path = os.path.join(tmp, f"plan-{index}.json")
+    # --host-ranks 2: both nodes' ranks run on this host's cores at once, as the job's do
     done = subprocess.run([sys.executable, "-m", "ddpkit", "plan", "--nodes", "2", "--nproc", "1",
-                           "--link", link, "--json", path], capture_output=True, text=True,
+                           "--host-ranks", "2", "--link", link, "--json", path], capture_output=True, text=True,
                           env={**os.environ, **ONE_THREAD}, timeout=900)
     if done.returncode:
         raise SystemExit(f"plan failed: {done.stderr[-2000:]}")
@@ -109,8 +111,11 @@ def main():
                     trains[hook].append(train(rate, port, tmp, hook, args.epochs, i))
                     print(f"  train {hook} {i}: {trains[hook][-1]}", flush=True)
             for hook in hooks:
-                predicted = statistics.median(pl["steps"][pl["pick"] if hook == "auto" else hook]
-                                              for pl in plans)
+                # auto: plan's step for the hook each run chose (like against like); plan's
+                # own pick is the last column
+                predicted = statistics.median(
+                    [pl["steps"][hook] for pl in plans] if hook != "auto" else
+                    [statistics.median(pl["steps"][t[1]] for pl in plans) for t in trains[hook]])
                 measured = statistics.median(t[0] for t in trains[hook])
                 chosen = sorted({t[1] for t in trains[hook] if t[1]})
                 table.append((rate, hook + (f" (chose {', '.join(chosen)})" if chosen else ""),

@@ -1,7 +1,7 @@
 """Measuring on this machine what the step-time model (``ddpkit.stepcost``) needs: a model's
-gradient buckets as DDP would make them, the compute time of its forward + backward, each comm
-hook's own compute on the gradients' shapes, the matmul rate. ``ddpkit plan`` and
-``comm_hook="auto"`` both stand on it.
+gradient buckets as DDP would make them, the compute time of its forward + backward, an
+all-reduce's time, the matmul rate. ``ddpkit plan`` (whose ``.calibrate`` times the job and
+each comm hook on the job's ranks) and ``comm_hook="auto"`` both stand on it.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from .stepcost import BUCKET_CAP, FIRST_BUCKET, buckets
 
 __all__ = ["Workload", "workload_of", "Timing", "repeat_timing", "measure_compute",
-           "measure_flops", "measure_hook", "hook_timing", "time_allreduce", "sync_device"]
+           "measure_flops", "time_allreduce", "sync_device"]
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,13 @@ class Workload:
     params: int
     compute_s: float       # forward + backward of one rank's batch on its device
     batch: int             # samples per rank per step
+    buffer_bytes: int = 0  # what DDP broadcasts from rank 0 before every training forward
 
 
 def workload_of(model: nn.Module, compute_s: float, batch: int, name: str = "model",
                 cap: int = BUCKET_CAP, first: int = FIRST_BUCKET) -> Workload:
-    """The buckets DDP would make from ``model``'s trainable parameters.
+    """The buckets DDP would make from ``model``'s trainable parameters, and the bytes of its
+    buffers (BatchNorm's statistics), which DDP broadcasts at every training forward.
 
     Example::
 
@@ -44,7 +46,9 @@ def workload_of(model: nn.Module, compute_s: float, batch: int, name: str = "mod
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     sizes = [4 * math.prod(s) for s in shapes]
     grouped = tuple(tuple(shapes[i] for i in bucket) for bucket in buckets(sizes, cap, first))
-    return Workload(name, grouped, sum(math.prod(s) for s in shapes), compute_s, batch)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return Workload(name, grouped, sum(math.prod(s) for s in shapes), compute_s, batch,
+                    buffers)
 
 
 @dataclass(frozen=True)
@@ -131,90 +135,6 @@ def measure_flops(device: Optional[torch.device] = None, n: int = 512) -> float:
         if a.is_cuda:
             torch.cuda.synchronize()
     return count * 2 * n ** 3 / (time.perf_counter() - start)
-
-
-def measure_hook(work: Workload, hook: str, rank: int = 2,
-                 device: Optional[torch.device] = None, repeats: int = 5,
-                 threads: Optional[int] = None) -> float:
-    """Seconds per step of ``hook``'s own work on this device, the median of ``repeats``
-    (:func:`hook_timing` says how).
-
-    Example::
-
-        measure_hook(workload, "powersgd", rank=2)
-    """
-    return hook_timing(work, hook, rank, device, repeats, threads).median
-
-
-def hook_timing(work: Workload, hook: str, rank: int = 2, device: Optional[torch.device] = None,
-                repeats: int = 5, threads: Optional[int] = None) -> Timing:
-    """``hook``'s own work per step on this device: the hook itself (as the DDP engine registers
-    it) run on buckets of the model's gradient shapes over a process group of one rank, in a
-    child process with ``threads`` intra-op threads (default: this process's), so its
-    all-reduces cost nothing and what is left is its compute (the casts of fp16/bf16;
-    PowerSGD's error feedback, P = MQ, orthogonalisation, Q = M^T P, the reconstruction and its
-    per-tensor Python work). ``repeats`` steps after a warm-up step, each timed: one timing
-    alone moved 0.2 -> 28 ms between runs on a loaded host.
-
-    Example::
-
-        print(hook_timing(workload, "bf16", threads=1))   # 0.12 ms (median of 5, min-max ...)
-    """
-    if hook == "none":
-        return Timing(0.0, 0.0, 0.0, 0)
-    samples = _real_hook_seconds(work, hook, rank, device or torch.device("cpu"), repeats,
-                                 threads or torch.get_num_threads())
-    return Timing.of(samples)
-
-
-def _real_hook_seconds(work: Workload, hook: str, rank: int, device: torch.device,
-                       repeats: int, threads: int) -> list:
-    """``hook`` timed by ``ddpkit.autohook.time_hooks`` over a process group of one, in a child
-    process that ends with ``os._exit``: a group made and taken down in this process can be
-    freed last by one of gloo's own threads (the hook's callbacks hold it), which then joins
-    itself and aborts the process ("Resource deadlock avoided")."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(
-        p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}   # as a rank gets them
-    with tempfile.TemporaryDirectory(prefix="ddpkit-hook-") as tmp:
-        job = {"shapes": work.bucket_shapes, "hook": hook, "rank": rank, "device": str(device),
-               "repeats": repeats, "threads": threads, "store": f"{tmp}/store"}
-        done = subprocess.run([sys.executable, "-c", _TIME_HOOK], input=json.dumps(job),
-                              capture_output=True, text=True, env=env, timeout=900)
-    if done.returncode != 0 or not done.stdout.strip():
-        raise RuntimeError(f"timing the {hook} comm hook failed: "
-                           f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return [float(s) for s in json.loads(done.stdout.strip().splitlines()[-1])]
-
-
-_TIME_HOOK = """
-import json, os, sys, time
-import torch, torch.distributed as dist
-from ddpkit.autohook import time_hooks
-from ddpkit.engines.ddp import comm_hook_for
-from ddpkit.wrap import WrapOptions
-job = json.load(sys.stdin)
-torch.set_num_threads(job["threads"])
-device = torch.device(job["device"])
-dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                        init_method="file://" + job["store"], rank=0, world_size=1)
-shapes = [[tuple(s) for s in bucket] for bucket in job["shapes"]]
-key = (job["hook"], job["rank"])
-make = lambda name, r, group=None: comm_hook_for(name, WrapOptions(powersgd_rank=r), group)
-# every step's end, stamped inside its timing: the steps run back to back, so from one end to
-# the next is one step (the first, a warm-up that allocates PowerSGD's P, Q and error, drops)
-ends = []
-time_hooks(shapes, [key], make, device, group=dist.group.WORLD, steps=max(job["repeats"], 1),
-           after_step=lambda: ends.append(time.perf_counter()))
-print(json.dumps([b - a for a, b in zip(ends, ends[1:])]), flush=True)
-os._exit(0)
-"""
 
 
 def time_allreduce(tensor: torch.Tensor, group: Any = None) -> float:

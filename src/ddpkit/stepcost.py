@@ -237,15 +237,18 @@ class StepTime:
     communication: float   # all-reduce time, overlapped or not
     exposed: float         # what the step waits for after its backward (and inline hook) ends
     hook_compute: float
+    buffers: float = 0.0   # DDP's broadcast of the buffers before the forward
 
 
 def step_time(compute_s: float, bucket_shapes: Sequence[Sequence[Tuple[int, ...]]], ranks: int,
               link: Link, hook: str = "none", rank: int = 2, flops_per_s: float = 1e11,
-              forward_share: float = 1 / 3, hook_s: Optional[float] = None) -> StepTime:
+              forward_share: float = 1 / 3, hook_s: Optional[float] = None,
+              buffer_bytes: float = 0.0) -> StepTime:
     """Predict a DDP step: ``compute_s`` is forward + backward of one rank's batch on its device,
     ``bucket_shapes`` the gradients' shapes per bucket in ready order (see :func:`buckets`);
     ``hook_s``, when measured, the hook's own compute per step (else its flops at
-    ``flops_per_s``).
+    ``flops_per_s``); ``buffer_bytes`` what DDP broadcasts before the forward (BatchNorm's
+    statistics: a tree of log2(ranks) hops, nothing runs beside it).
 
     Example::
 
@@ -267,9 +270,11 @@ def step_time(compute_s: float, bucket_shapes: Sequence[Sequence[Tuple[int, ...]
         comm += seconds
     if ranks <= 1:
         return StepTime(compute_s, compute_s, 0.0, 0.0, 0.0)
+    buffers = math.ceil(math.log2(ranks)) * (link.alpha + buffer_bytes / link.beta) \
+        if buffer_bytes else 0.0
     backward_end = compute_s + extra / 2
     end = max(backward_end, done)
     # what could not run behind the compute (it wanted the same cores) comes after it
     serial = compute_s + extra + comm
     end += (1.0 - min(max(link.overlap, -1.0), 1.0)) * max(serial - end, 0.0)
-    return StepTime(end, compute_s, comm, end - backward_end, extra)
+    return StepTime(end + buffers, compute_s, comm, end - backward_end, extra, buffers)

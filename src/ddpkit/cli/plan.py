@@ -3,8 +3,10 @@ hook, and the recommendation (``ddpkit.plan``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+from typing import Optional
 
 from ..errors import ConfigError
 
@@ -43,6 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", "--gpus-per-node", dest="nproc", default="auto",
                    help="ranks per node, as ddpkit train --nproc: a number, or auto (one per GPU, "
                         "2 on CPU); on CPU each rank is timed with its share of the cores")
+    p.add_argument("--host-ranks", type=int, default=None,
+                   help="the job's ranks that share this machine's cores, when several of its "
+                        "nodes run on one host (containers, VMs, network namespaces): the step "
+                        "is timed on that many ranks at once (default: --nproc)")
     p.add_argument("--link", default="10gbit",
                    help="between nodes: 10mbit, 100mbit, 1gbit, 10gbit, 25gbit, 100gbit, or "
                         "the JSON of ddpkit doctor --json (default 10gbit)")
@@ -98,26 +104,39 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     nodes, link, inside = _nodes(ns.nodes), parse_link(ns.link), parse_link(ns.inside)
     per_node = _per_node(ns.nproc)
     for flag, value in (("--batch", ns.batch), ("--powersgd-rank", ns.powersgd_rank),
-                        ("--repeats", ns.repeats)):
+                        ("--repeats", ns.repeats), ("--host-ranks", ns.host_ranks)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    host = ns.host_ranks or per_node
+    if host < per_node:
+        raise ConfigError(f"--host-ranks {host} is fewer than the node's own ranks (--nproc "
+                          f"{per_node}): give at least {per_node}")
     compute = ns.compute_ms / 1e3 if ns.compute_ms is not None else None
     if compute is not None and compute <= 0:
         raise ConfigError(f"--compute-ms must be > 0, got {ns.compute_ms:g}")
-    with using_threads(rank_threads(per_node)):   # all of it as one rank of the job runs
-        work, measured = _measure(ns, compute, per_node)
+    with using_threads(rank_threads(host)):   # all of it as one rank of the job runs
+        work, measured = _measure(ns, compute, per_node, host)
         flops = measure_flops()
-    rows = predict(work, nodes, link, per_node, inside, rank=ns.powersgd_rank,
-                   flops_per_s=flops, hook_seconds={h: t.median for h, t in
-                                                    measured.hooks.items()})
+
+    def rows_at(compute_s: float, node: Optional[float]) -> list:
+        return predict(dataclasses.replace(work, compute_s=compute_s), nodes, link, per_node,
+                       inside, rank=ns.powersgd_rank, flops_per_s=flops,
+                       hook_seconds={h: t.median for h, t in measured.hooks.items()},
+                       node_step=node)
+
+    timed_node = measured.node
+    rows = rows_at(work.compute_s, timed_node.median if timed_node else None)
+    # a hook is recommended for a gain that holds at the slow end of the measured compute too
+    slow = rows_at(measured.compute.high, timed_node.high if timed_node else None) \
+        if measured.compute is not None else []
     print(table(rows))
-    for line in advice(rows, ns.powersgd_rank):
+    for line in advice(rows, ns.powersgd_rank, slow):
         print(line)
     for line in assumptions(work, link, measured, inside):
         print(f"assumed: {line}")
     if ns.json:
         with open(ns.json, "w") as f:
-            f.write(as_json(rows, work, link, measured) + "\n")
+            f.write(as_json(rows, work, link, measured, slow) + "\n")
     return 0
 
 
@@ -134,11 +153,11 @@ def _per_node(text: str) -> int:
                           "auto") from None
 
 
-def _measure(ns: argparse.Namespace, compute, per_node: int):  # -> (Workload, Measured)
+def _measure(ns: argparse.Namespace, compute, per_node: int, host: int
+             ):  # -> (Workload, Measured)
     """The workload and how it was measured: the job's step and each hook's compute, timed on
-    the node's ranks at once (``ddpkit.plan.calibrate``) with this process's threads (a
-    rank's: see ``_cmd_plan``)."""
-    import dataclasses
+    the ``host`` ranks at once (the node's, or ``--host-ranks``: ``ddpkit.plan.calibrate``)
+    with this process's threads (a rank's: see ``_cmd_plan``)."""
 
     import torch
 
@@ -149,17 +168,16 @@ def _measure(ns: argparse.Namespace, compute, per_node: int):  # -> (Workload, M
 
     shape = parse_shape(ns.input_shape) if ns.input_shape else None
     device = "cuda" if torch.cuda.is_available() else "cpu"   # as train's --accelerator auto
-    measured = Measured(None, torch.get_num_threads(), device, per_node)
+    measured = Measured(None, torch.get_num_threads(), device, per_node,
+                        host_ranks=host if host != per_node else 0)
     hooks = {h: ns.powersgd_rank or DEFAULT_RANKS.get(h, 2) for h in HOOKS if h != "none"}
     if ns.params is not None:
         if compute is None:
             raise ConfigError("--params needs --compute-ms (a training step of one rank's "
                               "batch): without the model there is nothing to measure")
         work = synthetic_workload(int(ns.params), compute, ns.batch)
-        from ..costprobe import hook_timing
-
-        timed = {h: hook_timing(work, h, r, None, ns.repeats, measured.threads)
-                 for h, r in hooks.items()}
+        timed = calibrate({"shapes": work.bucket_shapes, "batch": ns.batch}, host,
+                          measured.threads, hooks, ns.repeats, False, device, per_node=per_node)
         return work, dataclasses.replace(measured, hooks=timed)
     from ..job.config import TrainConfig
 
@@ -168,9 +186,9 @@ def _measure(ns: argparse.Namespace, compute, per_node: int):  # -> (Workload, M
     work = job_workload(model, inp, ns.batch, compute or 0.0)   # an unknown model too
     job = {"model": model, "data": ns.data, "data_dir": ns.data_dir, "shape": shape,
            "batch": ns.batch}
-    timed = calibrate(job, per_node, measured.threads, hooks, ns.repeats, compute is None,
-                      device)
-    step = timed.pop("compute", None)
+    timed = calibrate(job, host, measured.threads, hooks, ns.repeats, compute is None, device,
+                      per_node=per_node)
+    step, node = timed.pop("compute", None), timed.pop("node", None)
     if step is not None:
         work = dataclasses.replace(work, compute_s=step.median)
-    return work, dataclasses.replace(measured, input=inp, compute=step, hooks=timed)
+    return work, dataclasses.replace(measured, input=inp, compute=step, hooks=timed, node=node)

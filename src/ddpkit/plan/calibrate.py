@@ -1,12 +1,13 @@
 """What one rank of the job costs, timed as the job's ranks run: the node's ranks started at once
-on this host, each timing the job's training step (its batch drawn, forward, loss, backward, the
-optimizer) under DDP over a process group of its own (its bucket copies and averaging run, its
-all-reduce costs nothing) and each comm hook on the gradients' shapes, in step; the slowest
-rank's timings. ``python -m ddpkit.plan.calibrate``
+on this host, each timing the job's training step (its batch drawn, the buffers' broadcast
+between them, forward, loss, backward, the optimizer) under DDP over a process group of its own
+(its bucket copies and averaging run, its all-reduce costs nothing) and each comm hook on the
+gradients' shapes, in step; the slowest rank's timings. ``python -m ddpkit.plan.calibrate``
 is one such rank.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -28,11 +29,16 @@ WAIT_S = 300
 
 def calibrate(job: Dict[str, Any], ranks: int, threads: int, hooks: Dict[str, int],
               repeats: int = 7, step: bool = True, device: str = "cpu",
-              timeout_s: float = 900) -> Dict[str, Timing]:
+              timeout_s: float = 900, per_node: int = 0) -> Dict[str, Timing]:
     """Time ``job`` (``model``, ``data``, ``data_dir``, ``shape``, ``batch``: see
-    :func:`ddpkit.plan.measure.job_input`) on ``ranks`` processes at once with ``threads``
+    :func:`ddpkit.plan.measure.job_input`; or ``shapes``, the gradients' buckets of a model
+    known only by them, for its hooks alone) on ``ranks`` processes at once with ``threads``
     each: its training step (when ``step``; key ``"compute"``) and each hook of ``hooks``
-    (PowerSGD's rank as the value), ``repeats`` times after warm-up. A rank timed alone
+    (PowerSGD's rank as the value), ``repeats`` times after warm-up; with ``per_node`` > 1
+    (default: ``ranks``), also the node's whole step (key ``"node"``): the gradients
+    all-reduced between its ``per_node`` ranks, the buffers broadcast, as the job runs on one
+    node (on 2 cores its all-reduce of 123 KB cost 2-3 ms a step, where a link model said
+    0.35). A rank timed alone
     misses what the node's other ranks take from it (3 ranks on 2 cores ran lock-step DDP at
     30 ms a step where one alone said 20).
 
@@ -47,7 +53,8 @@ def calibrate(job: Dict[str, Any], ranks: int, threads: int, hooks: Dict[str, in
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(
         p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
     with tempfile.TemporaryDirectory(prefix="ddpkit-plan-") as tmp:
-        spec = {**job, "world": ranks, "threads": threads, "hooks": hooks, "repeats": repeats,
+        spec = {**job, "world": ranks, "per_node": per_node or ranks, "threads": threads,
+                "hooks": hooks, "repeats": repeats,
                 "step": step, "device": device, "store": os.path.join(tmp, "store")}
         logs = [open(os.path.join(tmp, f"rank{r}.{kind}"), "w+") for r in range(ranks)
                 for kind in ("out", "err")]
@@ -144,39 +151,71 @@ def _batches(inp: Any, batch: int, device: torch.device) -> Iterator[Any]:
         yield from DataLoader(inp.dataset, batch_size=batch, shuffle=True, drop_last=True)
 
 
-def _rank(spec: Dict[str, Any], rank: int) -> Dict[str, List[float]]:
-    """One rank: the job's step under DDP over its own group, then each hook; every rank's
-    samples, step by step, the slowest's (they ran in step)."""
+def _training_step(model: torch.nn.Module, group: Any, batches: Iterator[Any],
+                   broadcast: bool) -> Callable[[], None]:
+    """The job's step under DDP over ``group``; ``broadcast``: the buffers broadcast over every
+    rank timed, as DDP does before every training forward (over a group of one it skips it,
+    where the job's ranks meet there)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from ..batches import default_loss, logits_of
-    from ..costprobe import workload_of
     from ..job.build import build_optimizer
     from ..job.config import TrainConfig
+
+    ddp = DistributedDataParallel(model, process_group=group)
+    optimizer = build_optimizer(TrainConfig(), ddp)   # the job's: SGD with momentum
+    buffers = list(model.buffers()) if broadcast else []
+
+    def step() -> None:
+        x, y = next(batches)
+        if buffers:
+            dist.broadcast(torch.cat([b.detach().reshape(-1).view(torch.uint8)
+                                      for b in buffers]), src=0)
+        optimizer.zero_grad(set_to_none=True)
+        default_loss(logits_of(ddp(x)), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def _time_step(spec: Dict[str, Any], rank: int, device: torch.device, alone: List[Any],
+               nodes: List[Any], per_node: int, found: Dict[str, List[float]]) -> List[Any]:
+    """The job's step (and the node's whole step) into ``found``; its gradients' buckets."""
+    from ..costprobe import workload_of
     from .measure import job_input, job_model
+
+    inp = job_input(spec["model"], spec.get("data"), spec.get("data_dir"), spec.get("shape"))
+    model = job_model(spec["model"], inp).to(device).train()
+    if spec["step"]:
+        batches = _batches(inp, spec["batch"], device)
+        if per_node > 1:   # the node's own job: its gradients all-reduced between its ranks
+            found["node"] = _in_step(_training_step(copy.deepcopy(model), nodes[rank // per_node],
+                                                    batches, False), spec["repeats"], device)
+        found["compute"] = _in_step(_training_step(model, alone[rank], batches,
+                                                   spec["world"] > 1), spec["repeats"], device)
+    return list(workload_of(model, 0.0, spec["batch"]).bucket_shapes)
+
+
+def _rank(spec: Dict[str, Any], rank: int) -> Dict[str, List[float]]:
+    """One rank: the job's step under DDP over its own group, then each hook; every rank's
+    samples, step by step, the slowest's (they ran in step)."""
+    import torch.distributed as dist
 
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else \
         torch.device("cpu")
-    alone = [dist.new_group([r], backend="nccl" if cuda else "gloo")
-             for r in range(spec["world"])]   # every rank makes every group
-    inp = job_input(spec["model"], spec.get("data"), spec.get("data_dir"), spec.get("shape"))
-    model = job_model(spec["model"], inp).to(device).train()
+    backend = "nccl" if cuda else "gloo"
+    world, per_node = spec["world"], spec.get("per_node") or spec["world"]
+    # every rank makes every group, in the same order
+    alone = [dist.new_group([r], backend=backend) for r in range(world)]
+    nodes = [dist.new_group(list(range(s, min(s + per_node, world))), backend=backend)
+             for s in range(0, world, per_node)] if per_node > 1 else alone
     found: Dict[str, List[float]] = {}
-    if spec["step"]:
-        ddp = DistributedDataParallel(model, process_group=alone[rank])
-        optimizer = build_optimizer(TrainConfig(), ddp)   # the job's: SGD with momentum
-        batches = _batches(inp, spec["batch"], device)
-
-        def step() -> None:
-            x, y = next(batches)
-            optimizer.zero_grad(set_to_none=True)
-            default_loss(logits_of(ddp(x)), y).backward()
-            optimizer.step()
-
-        found["compute"] = _in_step(step, spec["repeats"], device)
-    shapes = workload_of(model, 0.0, spec["batch"]).bucket_shapes
+    if "shapes" in spec:   # a model known by its gradients' shapes: its hooks alone
+        shapes = [[tuple(s) for s in bucket] for bucket in spec["shapes"]]
+    else:
+        shapes = _time_step(spec, rank, device, alone, nodes, per_node, found)
     for hook, power_rank in spec["hooks"].items():
         found[hook] = _hook_in_step(shapes, hook, power_rank, alone[rank], spec["repeats"],
                                     device)

@@ -52,6 +52,13 @@ class Measured:
     ranks_per_node: int
     compute: Optional[Timing] = None  # None: given by --compute-ms
     hooks: Dict[str, Timing] = field(default_factory=dict)
+    host_ranks: int = 0               # ranks timed at once on this host (0: ranks_per_node)
+    node: Optional[Timing] = None     # the node's whole step, its ranks' all-reduce included
+
+    @property
+    def ranks_timed(self) -> int:
+        """The ranks that ran at once while the step was timed."""
+        return self.host_ranks or self.ranks_per_node
 
 
 def parse_shape(text: str) -> Tuple[int, ...]:

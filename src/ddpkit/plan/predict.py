@@ -52,11 +52,13 @@ def predict(work: Workload, nodes: Sequence[int], link: Link, per_node: int = 1,
             inside: Optional[Link] = None, hooks: Sequence[str] = HOOKS,
             rank: Optional[int] = None,
             flops_per_s: float = 1e11,
-            hook_seconds: Optional[Dict[str, float]] = None) -> List[Row]:
+            hook_seconds: Optional[Dict[str, float]] = None,
+            node_step: Optional[float] = None) -> List[Row]:
     """Every node count x hook. Ranks on one node talk over ``inside`` (default ``link``);
     across nodes the ring runs at the slower ``link``; ``hook_seconds`` the hooks' own compute
-    as :func:`measure_hook` measured it; ``rank`` PowerSGD's (default: each hook's own,
-    ``stepcost.DEFAULT_RANKS``).
+    as :func:`ddpkit.plan.calibrate.calibrate` measured it; ``rank`` PowerSGD's (default: each hook's own,
+    ``stepcost.DEFAULT_RANKS``); ``node_step`` one node's whole step as measured (its ranks'
+    all-reduce included): the one-node rows are that, plus each hook's modelled difference.
 
     Example::
 
@@ -67,20 +69,45 @@ def predict(work: Workload, nodes: Sequence[int], link: Link, per_node: int = 1,
     for count in nodes:
         ranks = count * per_node
         over = link if count > 1 else (inside or link)
-        for hook in hooks:
-            step = step_time(work.compute_s, work.bucket_shapes, ranks, over, hook,
+
+        def modelled(hook: str) -> StepTime:
+            # the buffers' broadcast between a node's own ranks is in its timed step already
+            return step_time(work.compute_s, work.bucket_shapes, ranks, over, hook,
                              rank or DEFAULT_RANKS.get(hook, 2), flops_per_s,
-                             hook_s=(hook_seconds or {}).get(hook))
+                             hook_s=(hook_seconds or {}).get(hook),
+                             buffer_bytes=work.buffer_bytes if count > 1 else 0)
+
+        plain = modelled("none")
+        for hook in hooks:
+            step = modelled(hook)
+            if count == 1 and ranks > 1 and node_step is not None:
+                step = _measured_node(step, plain, node_step)
             rows.append(Row(count, ranks, hook, step, ranks * work.batch / step.total,
                             alone / step.total))
     return rows
 
 
-def recommend(rows: Sequence[Row]) -> Dict[int, Tuple[str, float]]:
+def _measured_node(step: StepTime, plain: StepTime, node_step: float) -> StepTime:
+    """One node's row from its measured step: the hook's modelled difference to plain
+    all-reduce on top; what is not compute is the node's communication (its all-reduce and
+    what the ranks waited for each other)."""
+    # not held up to the separately timed compute: the two timings move apart by noise (a
+    # ResNet-18 compute alone of 1.22-1.96 s in one run of 7 steps on a 2-core host)
+    total = max(node_step + step.total - plain.total, 1e-9)
+    compute = min(step.compute, total)
+    waits = max(total - compute - step.hook_compute, 0.0)
+    return StepTime(total, compute, max(waits, step.communication), waits, step.hook_compute,
+                    step.buffers)
+
+
+def recommend(rows: Sequence[Row], slow: Sequence[Row] = ()) -> Dict[int, Tuple[str, float]]:
     """Per node count: the hook to use and its gain over plain all-reduce (0 for "none"): the
     first in :data:`HOOKS` order within 5% of the fastest, as ``comm_hook="auto"`` chooses (the
     simpler, then the finer approximation, where the difference is within the model's noise;
-    "none" when plain all-reduce is within 5%).
+    "none" when plain all-reduce is within 5%). ``slow``: the same rows predicted at the slow
+    end of the measured compute; a simpler hook within 5% of the fastest there is kept too, so
+    a finer one is picked only for a gain that holds over the compute's spread (a gain of 4-6%
+    flipped the pick between runs whose medians differed by 2 ms).
 
     Example::
 
@@ -91,8 +118,14 @@ def recommend(rows: Sequence[Row]) -> Dict[int, Tuple[str, float]]:
         mine = sorted((r for r in rows if r.nodes == nodes),
                       key=lambda r: HOOKS.index(r.hook) if r.hook in HOOKS else len(HOOKS))
         plain = next((r for r in mine if r.hook == "none"), mine[0])
-        fastest = max(r.samples_per_s for r in mine)
-        pick = next(r for r in mine if r.samples_per_s * (1 + GAIN) >= fastest)
+        close = _close(mine) | _close([r for r in slow if r.nodes == nodes])
+        pick = next(r for r in mine if r.hook in close)
         gain = pick.samples_per_s / plain.samples_per_s - 1
         out[nodes] = (pick.hook, gain) if pick.hook != "none" else ("none", 0.0)
     return out
+
+
+def _close(rows: Sequence[Row]) -> set:
+    """The hooks within :data:`GAIN` of the fastest of ``rows``."""
+    fastest = max((r.samples_per_s for r in rows), default=0.0)
+    return {r.hook for r in rows if r.samples_per_s * (1 + GAIN) >= fastest}

@@ -29,16 +29,19 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def advice(rows: Sequence[Row], rank: Optional[int] = None) -> List[str]:
+def advice(rows: Sequence[Row], rank: Optional[int] = None, slow: Sequence[Row] = ()
+           ) -> List[str]:
     """One line per node count: the hook to use and why (with ``--powersgd-rank`` when the rows
-    were predicted at a ``rank`` of the user's, not each hook's default). Example::
+    were predicted at a ``rank`` of the user's, not each hook's default; ``slow``: the rows at
+    the slow end of the measured compute, see :func:`~ddpkit.plan.predict.recommend`). Example::
 
         advice(rows)   # ['2 nodes: bf16 (+31% samples/s over plain all-reduce)', ...]
     """
     out = []
-    for nodes, (hook, gain) in recommend(rows).items():
+    for nodes, (hook, gain) in recommend(rows, slow).items():
         if hook == "none":
-            out.append(f"{nodes} node(s): no compression (no hook gains more than 5% here)")
+            out.append(f"{nodes} node(s): no compression (no hook gains more than 5% here" +
+                       (", over the measured compute's spread)" if slow else ")"))
         else:
             risk = "; PowerSGD approximates the gradients: check the accuracy" \
                 if hook.startswith("powersgd") else ""
@@ -54,9 +57,12 @@ def assumptions(work: Workload, link: Link, measured: Measured, inside: Link) ->
 
         assumptions(work, LINKS["1gbit"], measured, LINKS["10gbit"])
     """
+    buffers = (f"; {work.buffer_bytes / 1024:.1f} KiB of buffers DDP broadcasts before every "
+               "forward (between a node's ranks in its timed step, across nodes log2(ranks) "
+               "hops of the link)") if work.buffer_bytes else ""
     return [f"model: {work.name}, {work.params:,} parameters, {len(work.bucket_shapes)} "
-            f"bucket(s) (1 MiB first, then 25 MiB, as DDP makes them)",
-            _compute(work, measured),
+            f"bucket(s) (1 MiB first, then 25 MiB, as DDP makes them){buffers}",
+            _compute(work, measured)] + _node(measured) + [
             f"between nodes: {link.name}, alpha {1e6 * link.alpha:.1f} us, beta "
             f"{link.beta / 1e6:.1f} MB/s" + (f", overlap {link.overlap:.2f} (measured)"
                                             if link.overlap != 1.0 else "") +
@@ -69,22 +75,38 @@ def assumptions(work: Workload, link: Link, measured: Measured, inside: Link) ->
             (", ".join(f"{h} {t}" for h, t in measured.hooks.items() if h != "none") or "none")]
 
 
+def _node(measured: Measured) -> List[str]:
+    """The one-node line, when that node's whole step was measured."""
+    if measured.node is None:
+        return []
+    return [f"one node: its whole step measured, {measured.node} with the gradients all-reduced "
+            f"between its {measured.ranks_per_node} ranks (the 1-node rows: that, each hook "
+            "its modelled difference to plain all-reduce on top)"]
+
+
 def _compute(work: Workload, measured: Measured) -> str:
     """The compute line: what was timed, on which input, with how many threads, and the spread."""
     if measured.compute is None:
         return (f"compute: {1e3 * work.compute_s:.1f} ms a step for {work.batch} samples per "
                 "rank (--compute-ms); forward 1/3 of it, gradients ready in proportion to their "
                 "bytes")
-    return (f"compute: {measured.compute} a training step (batch drawn, forward, loss, "
-            f"backward, SGD step; DDP over a group of one) of {work.batch} samples, input "
-            f"{measured.input.describe()}, on {measured.ranks_per_node} rank(s) of this node at "
-            f"once on {measured.device} with {measured.threads} thread(s) each (as ddpkit train "
+    return (f"compute: {measured.compute} a training step (batch drawn, DDP's buffer "
+            f"broadcast between the timed ranks, forward, loss, backward, SGD step; gradients "
+            f"averaged over a group of one) of {work.batch} samples, input "
+            f"{measured.input.describe()}, on {_timed_on(measured)} at once on {measured.device} with {measured.threads} thread(s) each (as ddpkit train "
             "sets them), the slowest's; forward 1/3 of it, gradients ready in proportion to "
             "their bytes")
 
 
+def _timed_on(measured: Measured) -> str:
+    if measured.ranks_timed == measured.ranks_per_node:
+        return f"{measured.ranks_per_node} rank(s) of this node"
+    return (f"{measured.ranks_timed} ranks of this host (--host-ranks: nodes sharing its "
+            "cores)")
+
+
 def as_json(rows: Sequence[Row], work: Workload, link: Link,
-            measured: Optional[Measured] = None) -> str:
+            measured: Optional[Measured] = None, slow: Sequence[Row] = ()) -> str:
     """The prediction for machines. Example::
 
         open("plan.json", "w").write(as_json(rows, work, link, measured))
@@ -98,7 +120,7 @@ def as_json(rows: Sequence[Row], work: Workload, link: Link,
                   "samples_per_s": r.samples_per_s, "efficiency": r.efficiency,
                   **dataclasses.asdict(r.step)} for r in rows],
         "recommendation": {str(k): {"hook": h, "gain": g} for k, (h, g) in
-                           recommend(rows).items()}}
+                           recommend(rows, slow).items()}}
     return json.dumps(data, indent=2)
 
 
@@ -106,6 +128,7 @@ def _measured(measured: Measured) -> Dict[str, Any]:
     return {"input": None if measured.input is None else {
                 "shape": list(measured.input.shape), "source": measured.input.source},
             "threads": measured.threads, "device": measured.device,
-            "ranks_per_node": measured.ranks_per_node,
+            "ranks_per_node": measured.ranks_per_node, "ranks_timed": measured.ranks_timed,
+            "node": None if measured.node is None else dataclasses.asdict(measured.node),
             "compute": None if measured.compute is None else dataclasses.asdict(measured.compute),
             "hooks": {h: dataclasses.asdict(t) for h, t in measured.hooks.items()}}
