@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from ddpkit.checkpoint import load_checkpoint, save_checkpoint
+from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
 from ddpkit.job.models import resnet18
 from ddpkit.seed import rng_state
 

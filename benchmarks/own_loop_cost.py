@@ -31,8 +31,8 @@ LOADER_PASS = r"""
 import time, torch
 from torch.nn import functional as F
 from torch.utils.data import Dataset
-from ddpkit.data import make_loader
-from ddpkit.env import ClusterEnv
+from ddpkit.data.loader import make_loader
+from ddpkit.env.detect import ClusterEnv
 
 class Images(Dataset):
     def __init__(self):

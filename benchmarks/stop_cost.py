@@ -25,7 +25,7 @@ import time
 
 import ddpkit
 from ddpkit import comm
-from ddpkit.stops import Stops
+from ddpkit.faults.stops import Stops
 
 
 def agreement_cost(calls: int = 1000, step_s: float = 0.005) -> dict:

@@ -5,7 +5,7 @@ import torch
 
 import ddpkit
 from ddpkit import comm
-from ddpkit.checkpoint import load_checkpoint, save_checkpoint
+from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
 from ddpkit.errors import DDPKitError
 
 

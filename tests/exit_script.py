@@ -1,7 +1,7 @@
 """A rank that leaves right after its last collective, with a DDP model still holding the group.
 
 This is the exit that aborted with "terminate called without an active exception" in CI
-(see ddpkit.dist._shutdown_at_exit). Run by tests/test_multiprocess.py as plain processes.
+(see ddpkit.env.dist._shutdown_at_exit). Run by tests/test_multiprocess.py as plain processes.
 """
 import torch
 from torch import nn

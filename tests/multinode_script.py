@@ -66,7 +66,7 @@ class Slow(Hook):
 def train(out: str, timeout_s: float, step_sleep: float, epochs: int = 3, batch: int = 8) -> None:
     """Train like resume_script.train(out, epochs, resume="auto"); rank 0 saves OUT/final.pt."""
     # env:// as every script: after a restart `ddpkit run` gives each rendezvous round a fresh
-    # store (restart counts can differ between nodes), and ddpkit.dist then adds no prefix.
+    # store (restart counts can differ between nodes), and ddpkit.env.dist then adds no prefix.
     rt = ddpkit.setup(seed=0, deterministic=True, timeout=timedelta(seconds=timeout_s))
     torch.manual_seed(0)
     model = rt.wrap(nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES)))

@@ -217,7 +217,7 @@ def batched_powersgd_steps(rank: int, start: int, steps: int, numels, dtype: str
     ddpkit's batched PowerSGD hook, one bucket after another as DDP hands them; per bucket what
     came back, the exact average and every rank's gradients, and at the end the ranks' mean
     error (error feedback's memory)."""
-    from ddpkit.lowrank import BatchedPowerSGD, batched_powersgd_hook
+    from ddpkit.cost.lowrank import BatchedPowerSGD, batched_powersgd_hook
 
     rt = ddpkit.setup()
     state = BatchedPowerSGD(rank=rank, start_powerSGD_iter=start)

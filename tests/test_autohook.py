@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.autohook import Choice, _scalar, choose, measure_step
-from ddpkit.costprobe import workload_of
-from ddpkit.stepcost import LINKS, Link
+from ddpkit.cost.auto import Choice, _scalar, choose, measure_step
+from ddpkit.cost.measure import workload_of
+from ddpkit.cost.model import LINKS, Link
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,7 +113,7 @@ def test_a_scalar_is_found_in_what_models_return():
 SCRIPT = r'''
 import sys, torch, ddpkit
 from torch import nn
-from ddpkit.autohook import choice_of
+from ddpkit.cost.auto import choice_of
 rt = ddpkit.setup(seed=0)
 net = nn.Sequential(nn.Linear(32, 640), nn.BatchNorm1d(640), nn.ReLU(), nn.Dropout(0.3),
                     nn.Linear(640, 640), nn.ReLU(), nn.Linear(640, 4))   # 2 buckets of DDP's
@@ -184,7 +184,7 @@ def test_auto_is_refused_where_there_is_no_ddp_hook():
 
 
 def test_the_runner_up_is_tried_only_when_close_and_compressing():
-    from ddpkit.autohook import runner_up
+    from ddpkit.cost.auto import runner_up
 
     work = _mlp_work(0.2)
     assert runner_up(choose(work, LINKS["100gbit"], 2, CHEAP)) is None   # plain: exact DDP
@@ -205,7 +205,7 @@ TRIAL = r'''
 import time, torch, ddpkit
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from ddpkit.hooktrial import HookTrial, dispatch
+from ddpkit.cost.trial import HookTrial, dispatch
 rt = ddpkit.setup(seed=0)
 model = rt.wrap(nn.Linear(16, 4))
 

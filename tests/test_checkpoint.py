@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import checkpoint as ck
-from ddpkit.checkpoint import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
+from ddpkit.checkpoint import files as ck
+from ddpkit.checkpoint.files import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
                                find_latest, list_checkpoints, load_checkpoint, resolve_resume,
                                save_checkpoint)
-from ddpkit.ckpt_write import SaveError
+from ddpkit.checkpoint.write import SaveError
 from ddpkit.errors import ConfigError, DDPKitError
 
 import ckptfns

@@ -1,4 +1,4 @@
-"""Tests for ddpkit.crash: workers that die with their launcher, collective timeouts in one line."""
+"""Tests for ddpkit.faults.crash: workers that die with their launcher, collective timeouts in one line."""
 import os
 import subprocess
 import sys
@@ -15,7 +15,7 @@ print(child.pid, flush=True)
 time.sleep(60)
 """
 WORKER = """import os, sys, time
-from ddpkit.crash import die_with_launcher
+from ddpkit.faults.crash import die_with_launcher
 armed = die_with_launcher({"DDPKIT_LAUNCHER_PID": str(os.getppid())})
 open(sys.argv[1], "w").write("armed" if armed else "no-op")
 time.sleep(60)
@@ -59,7 +59,7 @@ def _alive(pid):
 
 
 def test_die_with_launcher_is_a_no_op_for_other_launchers():
-    from ddpkit.crash import die_with_launcher
+    from ddpkit.faults.crash import die_with_launcher
 
     assert not die_with_launcher({})
     assert not die_with_launcher({"DDPKIT_LAUNCHER_PID": str(os.getppid() + 1)})
@@ -70,7 +70,7 @@ def test_die_with_launcher_is_a_no_op_for_other_launchers():
 def test_a_gloo_timeout_is_one_line_naming_the_collective():
     import torch.distributed as tdist
 
-    from ddpkit.crash import collective_timeout
+    from ddpkit.faults.crash import collective_timeout
 
     gloo = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms "
                         "for recv operation to complete")
@@ -89,7 +89,7 @@ def test_a_gloo_timeout_is_one_line_naming_the_collective():
 
 
 def test_an_nccl_timeout_names_the_op_and_other_errors_are_left_alone():
-    from ddpkit.crash import collective_timeout
+    from ddpkit.faults.crash import collective_timeout
 
     nccl = RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
                         "OpType=ALLREDUCE, NumelIn=10, NumelOut=10, Timeout(ms)=600000) ran for "
@@ -103,7 +103,7 @@ def test_a_timeout_names_the_ddpkit_function_the_script_called(monkeypatch):
     import torch.distributed as tdist
 
     from ddpkit import comm
-    from ddpkit.crash import collective_timeout
+    from ddpkit.faults.crash import collective_timeout
     from ddpkit.engines import base
 
     gloo = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms "
@@ -128,7 +128,7 @@ def test_a_timeout_while_waiting_for_a_reduction_started_earlier_names_it():
     # fit starts its loss all-reduce without waiting and waits a little later (engines.Reduction)
     import torch
 
-    from ddpkit.crash import collective_timeout
+    from ddpkit.faults.crash import collective_timeout
     from ddpkit.engines.base import Reduction
 
     class TimedOut:

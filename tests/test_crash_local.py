@@ -1,4 +1,4 @@
-"""Tests for ddpkit.crash on one node: ranks that fail the same way print one traceback."""
+"""Tests for ddpkit.faults.crash on one node: ranks that fail the same way print one traceback."""
 import os
 import re
 import subprocess
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ddpkit.crash import failure_digest
+from ddpkit.faults.crash import failure_digest
 
 CLEAN = {k: v for k, v in os.environ.items()
          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -114,7 +114,7 @@ def test_the_peers_line_keeps_whole_sentences_of_the_error(tmp_path):
     """The message gloo gives a rank whose peer died, through the hook (no process group)."""
     script = tmp_path / "peer.py"
     script.write_text(
-        "from ddpkit.crash import install_error_hook\ninstall_error_hook(0)\nraise RuntimeError("
+        "from ddpkit.faults.crash import install_error_hook\ninstall_error_hook(0)\nraise RuntimeError("
         "'[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
         "closed by peer [127.0.0.1]:19683. This is typically caused by a remote worker crashing."
         " Check the logs of the remote worker before reporting an error. GLHF! x')\n")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 
-from ddpkit.data import (DistributedLoader, ResumableSampler, ShardSampler, make_loader,
+from ddpkit.data.loader import (DistributedLoader, ResumableSampler, ShardSampler, make_loader,
                          per_rank_batch_size, worker_seed)
-from ddpkit.env import ClusterEnv
+from ddpkit.env.detect import ClusterEnv
 from ddpkit.errors import ConfigError
 
 
@@ -444,8 +444,8 @@ def test_a_script_with_loader_workers_exits_and_its_workers_leave_the_launchers_
     script = (
         "import os, torch\n"
         "from torch.utils.data import Dataset\n"
-        "from ddpkit.data import make_loader\n"
-        "from ddpkit.env import ClusterEnv\n"
+        "from ddpkit.data.loader import make_loader\n"
+        "from ddpkit.env.detect import ClusterEnv\n"
         "class D(Dataset):\n"
         "    def __len__(self): return 64\n"
         "    def __getitem__(self, i): return torch.tensor([os.getpgid(0), os.getpid()])\n"

@@ -17,10 +17,10 @@ from torch import nn
 
 import ddpkit
 from ddpkit import comm
-from ddpkit.checkpoint import find_latest, load_checkpoint
-from ddpkit.ckpt_write import disk_full, no_space
+from ddpkit.checkpoint.files import find_latest, load_checkpoint
+from ddpkit.checkpoint.write import disk_full, no_space
 from ddpkit.errors import DDPKitError
-from ddpkit.sharded import _bare_disk_full
+from ddpkit.checkpoint.sharded import _bare_disk_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from ddpkit.dist import (BACKENDS, DEFAULT_TIMEOUT, cpu_threads_per_process, init_process_group,
+from ddpkit.env.dist import (BACKENDS, DEFAULT_TIMEOUT, cpu_threads_per_process, init_process_group,
                          resolve_backend, resolve_init_method, select_device, shutdown)
-from ddpkit.env import ClusterEnv, spawn_env
+from ddpkit.env.detect import ClusterEnv, spawn_env
 from ddpkit.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -271,7 +271,7 @@ def test_attempt_prefix_only_when_the_agent_store_is_shared(monkeypatch, shared,
                                                            prefixed):
     """After a restart a shared agent store holds stale addresses: namespace it by attempt. A
     store per round (multi-node ``ddpkit run``) is fresh, and restart counts differ by node."""
-    import ddpkit.dist as ddist
+    import ddpkit.env.dist as ddist
 
     calls = []
     monkeypatch.setattr(ddist, "rendezvous", lambda url, timeout: iter([(tdist.HashStore(), 0, 2)]))

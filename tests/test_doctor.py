@@ -100,7 +100,7 @@ def test_a_checkpoint_directory_the_nodes_do_not_share_fails_with_the_fix(tmp_pa
 
 def test_a_link_too_slow_for_the_collective_timeout_is_named_with_its_fix():
     from ddpkit.doctor.cluster import timeout_finding
-    from ddpkit.stepcost import LINKS
+    from ddpkit.cost.model import LINKS
 
     slow = timeout_finding(LINKS["10mbit"], 2, 600, params=1_000_000_000)   # 4 GB at 1.2 MB/s
     assert slow.verdict == "FAIL" and "past the collective timeout of 600 s" in slow.detail
@@ -162,7 +162,7 @@ def test_a_link_whose_small_messages_take_hundreds_of_us_never_fits_alpha_0():
     backing off), gave a beta that took more than the small messages' whole time for their
     bytes; the small sizes' bytes now come off at the fastest rate seen."""
     from ddpkit.doctor.cluster import link_finding
-    from ddpkit.stepcost import bandwidths
+    from ddpkit.cost.model import bandwidths
 
     line = 100e6 / 8 * 0.94                                   # 100 Mbit/s of TCP payload
     rows = []
@@ -177,5 +177,5 @@ def test_a_link_whose_small_messages_take_hundreds_of_us_never_fits_alpha_0():
     assert 200e-6 < latency < 337e-6                          # 250 us: the messages' latency
     assert f"alpha {link.alpha * 1e6:.1f} us" in finding.detail and link.alpha > 0
     # all of a message's time stays latency when even the fastest rate leaves nothing over
-    from ddpkit.stepcost import fit_link
+    from ddpkit.cost.model import fit_link
     assert fit_link([1024, 4096, 1 << 20], [3e-4, 1.2e-3, 1.0], 2).alpha > 0

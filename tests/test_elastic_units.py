@@ -8,14 +8,14 @@ import pytest
 from torch import nn
 
 from ddpkit.cli.flags import parse_nnodes
-from ddpkit.crash import PEER_LOSS_SUFFIX, note_peer_loss
+from ddpkit.faults.crash import PEER_LOSS_SUFFIX, note_peer_loss
 from ddpkit.errors import ConfigError
 from ddpkit.job.check import check_every_world
 from ddpkit.job.config import TrainConfig
 from ddpkit.launch import elastic
 from ddpkit.launch.restarts import _peer_loss, _stopped_with_group
 from ddpkit.launch.torchrun import RunConfig
-from ddpkit.resume_notes import cadence_line, grace_line, restarts_allowed, world_change_line
+from ddpkit.checkpoint.advice import cadence_line, grace_line, restarts_allowed, world_change_line
 
 from test_launch_network import _cfg, fake_torchrun  # noqa: F401 (a fixture)
 

@@ -16,7 +16,7 @@ from ddpkit.engines.ddp import DDPEngine
 from ddpkit.engines.dp import DPEngine
 from ddpkit.engines.fsdp import FSDPEngine
 from ddpkit.engines.horovod import HorovodEngine
-from ddpkit.env import ClusterEnv
+from ddpkit.env.detect import ClusterEnv
 from ddpkit.errors import DDPKitError
 from ddpkit.wrap import WrapOptions
 

@@ -13,7 +13,7 @@ from ddpkit.engines import horovod as horovod_engine
 from ddpkit.engines.horovod import HorovodEngine
 from ddpkit.launch import horovodrun as hvdrun
 from ddpkit.wrap import WrapOptions
-from ddpkit.checkpoint import find_latest
+from ddpkit.checkpoint.files import find_latest
 from ddpkit.job.config import TrainConfig
 from ddpkit.errors import ConfigError
 from ddpkit.job.check import check_config
@@ -56,7 +56,7 @@ def test_missing_horovod_is_one_clear_config_error(monkeypatch):
 
 
 def test_horovod_strategy_without_its_engine_is_refused_on_several_processes():
-    from ddpkit.env import ClusterEnv
+    from ddpkit.env.detect import ClusterEnv
     from ddpkit.engines import wrap_model
     with pytest.raises(ConfigError, match="needs the Horovod engine"):
         wrap_model(torch.nn.Linear(2, 2), ClusterEnv(rank=0, world_size=2), torch.device("cpu"),

@@ -1,7 +1,7 @@
 """Environment detection for every launcher, from plain dicts (no processes)."""
 import pytest
 
-from ddpkit.env import detect, spawn_env, to_environ
+from ddpkit.env.detect import detect, spawn_env, to_environ
 from ddpkit.errors import ConfigError
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",

@@ -12,11 +12,11 @@ from torch.utils.data import Dataset, TensorDataset
 
 import ddpkit
 from ddpkit import comm
-from ddpkit.batches import (default_loss, is_regression, loss_sum, regression_pair,
+from ddpkit.data.batches import (default_loss, is_regression, loss_sum, regression_pair,
                             step_outputs, step_sums, sum_count)
-from ddpkit.checkpoint import load_checkpoint
+from ddpkit.checkpoint.files import load_checkpoint
 from ddpkit.errors import ConfigError
-from ddpkit.sharded import consolidate
+from ddpkit.checkpoint.sharded import consolidate
 
 
 class Augmented(Dataset):

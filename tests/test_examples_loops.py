@@ -222,7 +222,7 @@ def test_kill_9_of_a_worker_restarts_and_ends_bitwise_equal(name, reference, tmp
 
 
 # "imagenet" has 2 DataLoader workers: torchrun's agent signals each rank's whole process group,
-# so they get SIGTERM too and must outlive the rank's save (they ignore it; see ddpkit.data).
+# so they get SIGTERM too and must outlive the rank's save (they ignore it; see ddpkit.data.loader).
 @pytest.mark.parametrize("name", ["imagenet-workers0", "gpt", "imagenet"])
 def test_sigterm_saves_exits_143_and_the_same_command_ends_bitwise_equal(name, reference,
                                                                           tmp_path):

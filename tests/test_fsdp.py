@@ -217,7 +217,7 @@ def test_language_model_job_under_fsdp_in_bf16_checkpoints_shards(tmp_path):
 
 def test_fsdp_without_a_torch_process_group_is_one_line():
     from ddpkit.engines.fsdp import FSDPEngine
-    from ddpkit.env import ClusterEnv
+    from ddpkit.env.detect import ClusterEnv
     from ddpkit.wrap import WrapOptions
 
     two_ranks = ClusterEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import resume_script
-from ddpkit.checkpoint import find_latest
+from ddpkit.checkpoint.files import find_latest
 from ddpkit.job.datasets import digits, synthetic
 from ddpkit.job.images import InMemoryImages
-from ddpkit.resident import choose_resident, resident_batches
+from ddpkit.data.resident import choose_resident, resident_batches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

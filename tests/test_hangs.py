@@ -1,4 +1,4 @@
-"""Tests for ddpkit.hangs: the step a hang report names, counted from a script's own optimizers."""
+"""Tests for ddpkit.faults.hangs: the step a hang report names, counted from a script's own optimizers."""
 import os
 import shutil
 import signal
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from ddpkit.hangs import Progress, _frames_to_show, python_stack
+from ddpkit.faults.hangs import Progress, _frames_to_show, python_stack
 
 CLEAN = {k: v for k, v in os.environ.items()
          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

@@ -71,7 +71,7 @@ def test_one_sample_on_two_processes_says_what_would_work():
 
 def test_resuming_another_models_checkpoint_is_refused_before_anything_is_written(tmp_path):
     import torch
-    from ddpkit.checkpoint import save_checkpoint
+    from ddpkit.checkpoint.files import save_checkpoint
     from ddpkit.job.check import check_resume
     ckpts = tmp_path / "checkpoints"
     save_checkpoint({"model": {"w": torch.zeros(2)},

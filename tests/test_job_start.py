@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ddpkit.checkpoint import find_latest
+from ddpkit.checkpoint.files import find_latest
 from ddpkit.errors import ConfigError
 from ddpkit.job.config import TrainConfig
 from ddpkit.job.start import WORKER, job_nproc, plan, start

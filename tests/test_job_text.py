@@ -12,7 +12,7 @@ from ddpkit.job.check import check_config
 from ddpkit.job.datasets import build_dataset
 from ddpkit.job.models import build_model
 from ddpkit.job.text import TextBytes, default_corpus, text
-from ddpkit.resident import choose_resident, resident_batches
+from ddpkit.data.resident import choose_resident, resident_batches
 
 from test_cli import ddpkit, error_lines
 

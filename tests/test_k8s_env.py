@@ -1,12 +1,12 @@
-"""ddpkit/k8s_env.py and its users: what a Kubernetes pod says (Kubeflow Trainer's PET_*, an
+"""ddpkit/env/k8s.py and its users: what a Kubernetes pod says (Kubeflow Trainer's PET_*, an
 Indexed Job's JOB_COMPLETION_INDEX) becomes `ddpkit run`'s flags and a bare setup()'s place."""
 import pytest
 
 from ddpkit.cli import build_parser
 from ddpkit.cli.flags import from_pod, run_config
-from ddpkit.env import detect
+from ddpkit.env.detect import detect
 from ddpkit.errors import ConfigError, JobSetupError
-from ddpkit.k8s_env import pod_launch
+from ddpkit.env.k8s import pod_launch
 from ddpkit.launch.network import wait_resolvable
 from ddpkit.launch.torchrun import resolve_nproc
 

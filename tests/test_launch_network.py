@@ -212,11 +212,20 @@ def test_watchdog_exits_once_every_worker_is_an_unreaped_zombie_for_the_grace():
 
 
 def test_watchdog_leaves_a_healthy_agent_alone():
-    exited = []
+    exited, looked = [], []
+
+    def children():   # one worker still running, one a zombie
+        looked.append(time.monotonic())
+        return {7: "S", 8: "Z"}
+
     dog = watchdog.AgentWatchdog("10.0.0.1:29400", grace=0.1, interval=0.02, exit=exited.append,
-                            list_children=lambda: {7: "S", 8: "Z"})  # one still running
+                                 list_children=children)
     with dog:
-        time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        # it looked well past the grace (not: the thread never ran), and left the agent alone
+        while (len(looked) < 2 or looked[-1] - looked[0] < 0.3) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert len(looked) >= 2 and looked[-1] - looked[0] >= 0.3, looked
     assert exited == []
 
 

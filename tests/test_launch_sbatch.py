@@ -164,7 +164,7 @@ def test_the_rendered_requeue_forwards_sigusr1_and_requeues_only_a_checkpointed_
 @pytest.mark.parametrize("job_id", ["1", "123456", "4294967"])
 def test_the_rendered_port_is_the_one_the_library_derives_from_the_job_id(job_id) -> None:
     from ddpkit.launch.sbatch import PORT_FROM_JOB_ID
-    from ddpkit.slurm_env import port_from_job_id
+    from ddpkit.env.slurm import port_from_job_id
 
     res = subprocess.run(["bash", "-c", f"echo {PORT_FROM_JOB_ID}"], capture_output=True,
                          text=True, env={"SLURM_JOB_ID": job_id}, timeout=30)

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.env import ClusterEnv
+from ddpkit.env.detect import ClusterEnv
 from ddpkit.evaluate import evaluate, topk_correct
 from ddpkit.loop import CheckpointPolicy, Hook, fit
 from ddpkit.log import RunLogger
@@ -186,7 +186,7 @@ def test_a_compiled_model_checkpoints_plain_keys_that_load_into_a_plain_model(tm
     fit(rt, compiled, opt, rt.loader(data(), 10), epochs=1, progress=False,
         checkpoint=CheckpointPolicy(str(tmp_path)))
     assert ddpkit.unwrap(compiled) is net
-    from ddpkit.checkpoint import find_latest
+    from ddpkit.checkpoint.files import find_latest
     saved = find_latest(tmp_path)[1]["model"]
     assert list(saved) == list(net.state_dict())  # no `_orig_mod.` prefix
     plain = model()
@@ -197,7 +197,7 @@ def test_a_compiled_model_checkpoints_plain_keys_that_load_into_a_plain_model(tm
 
 def test_a_checkpoint_with_compile_prefixed_keys_still_resumes(tmp_path):
     # ddpkit saved compiled models with `_orig_mod.` keys before unwrap learned torch.compile.
-    from ddpkit.checkpoint import find_latest, save_checkpoint
+    from ddpkit.checkpoint.files import find_latest, save_checkpoint
     rt, net = runtime(), model()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     fit(rt, net, opt, rt.loader(data(), 10), epochs=1, progress=False,
@@ -297,7 +297,7 @@ def test_max_steps_on_an_epochs_last_batch_then_resume_runs_each_epoch_end_once(
 
 
 def test_a_checkpoint_written_by_fit_before_the_checkpointer_keeps_history_and_best(tmp_path):
-    from ddpkit.checkpoint import find_latest, save_checkpoint
+    from ddpkit.checkpoint.files import find_latest, save_checkpoint
     rt, net = runtime(), model()
     fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), rt.loader(data(), 10), epochs=2,
         eval_data=data(8, seed=1), progress=False, checkpoint=CheckpointPolicy(str(tmp_path / "a")))
@@ -400,10 +400,10 @@ def test_a_full_disk_under_metrics_jsonl_is_one_warning_and_training_goes_on(tmp
 
 
 def test_a_full_disk_under_results_json_is_one_line_naming_what_is_safe(tmp_path):
-    from ddpkit.ckpt_write import SaveError
+    from ddpkit.checkpoint.write import SaveError
     from ddpkit.job.config import TrainConfig
     from ddpkit.job.train import _report
-    from ddpkit.resume import TrainState
+    from ddpkit.checkpoint.checkpointer import TrainState
     (tmp_path / "results.json").symlink_to("/dev/full")
     state = TrainState(1, 4, 90.0, 1, [{"epoch": 1, "train/loss": 0.5, "eval/top1": 90.0,
                                          "eval/count": 10}])

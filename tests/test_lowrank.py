@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.lowrank import BatchedPowerSGD
-from ddpkit.stepcost import hook_cost, square_side
+from ddpkit.cost.lowrank import BatchedPowerSGD
+from ddpkit.cost.model import hook_cost, square_side
 
 import rankfns
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from ddpkit.cli import main
-from ddpkit.stepcost import (LINKS, Link, bandwidths, buckets, fit_link, hook_cost,
+from ddpkit.cost.model import (LINKS, Link, bandwidths, buckets, fit_link, hook_cost,
                               ring_allreduce_seconds, step_time)
-from ddpkit.costprobe import Timing, repeat_timing, workload_of
+from ddpkit.cost.measure import Timing, repeat_timing, workload_of
 from ddpkit.errors import ConfigError
 from ddpkit.plan.measure import job_input, parse_shape, rank_threads
 from ddpkit.plan.predict import Row, predict, recommend, synthetic_workload

@@ -181,7 +181,7 @@ def test_fp16_on_cuda_creates_a_grad_scaler():
 
 
 def test_bf16_on_a_cpu_without_native_bf16_warns_once_clearly(monkeypatch):
-    from ddpkit import machine
+    from ddpkit.env import machine
     monkeypatch.setattr(machine, "cpu_info", lambda: {"model": "x", "flags": ["avx2", "fma"]})
     with pytest.warns(UserWarning, match=r"^bf16 on this CPU is emulated .* use --precision fp32"):
         Precision("bf16", CPU)

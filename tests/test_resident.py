@@ -1,4 +1,4 @@
-"""Device-resident data (ddpkit.resident) on the CPU: the same logic a GPU runs, so CI proves it.
+"""Device-resident data (ddpkit.data.resident) on the CPU: the same logic a GPU runs, so CI proves it.
 
 The loader must hand out the same samples as the ordinary one (same sampler, epochs, resume
 position), gather batches from the device copy, and augment per sample from (seed, epoch) alone.
@@ -10,15 +10,15 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 import ddpkit
-from ddpkit import resident
-from ddpkit.data import make_loader
-from ddpkit.env import ClusterEnv
+from ddpkit.data import resident
+from ddpkit.data.loader import make_loader
+from ddpkit.env.detect import ClusterEnv
 from ddpkit.errors import ConfigError
 from ddpkit.job.datasets import digits, synthetic
 from ddpkit.job.images import InMemoryImages, crop_flip_draws
 from ddpkit.job.train import train
 from ddpkit.job.config import TrainConfig
-from ddpkit.resident import ResidentData, choose_resident, resident_batches
+from ddpkit.data.resident import ResidentData, choose_resident, resident_batches
 
 CPU = torch.device("cpu")
 

@@ -17,7 +17,7 @@ import torch
 
 import ddpkit
 import resume_script
-from ddpkit.checkpoint import find_latest, save_checkpoint
+from ddpkit.checkpoint.files import find_latest, save_checkpoint
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -110,7 +110,7 @@ def test_kill_9_a_random_rank_at_a_random_step_and_the_run_finishes_as_if_nothin
 
 WRITER = """
 import sys, torch
-from ddpkit.checkpoint import save_checkpoint
+from ddpkit.checkpoint.files import save_checkpoint
 save_checkpoint({"w": torch.ones(4)}, sys.argv[1], step=1)
 print("first saved", flush=True)
 save_checkpoint({"w": torch.randn(40_000_000)}, sys.argv[1], step=2)   # 160 MB: slow to write

@@ -97,11 +97,11 @@ def reference(tmp_path_factory, jobs):  # after `jobs`: computed while they run
     return result
 
 
-# ddpkit.env alone (it needs no torch, so the nine tasks below start at once): the package's
+# ddpkit.env.detect alone (it needs no torch, so the nine tasks below start at once): the package's
 # __init__ is skipped by registering an empty package at the source directory.
 LAYOUT = ("import os, sys, types; pkg = types.ModuleType('ddpkit'); "
           f"pkg.__path__ = ['{os.path.join(ROOT, 'src', 'ddpkit')}']; sys.modules['ddpkit'] = pkg; "
-          "from ddpkit.env import detect; e = detect(os.environ); "
+          "from ddpkit.env.detect import detect; e = detect(os.environ); "
           "print('layout', e.launcher, e.rank, e.world_size, e.local_rank, e.local_world_size, "
           "e.node_rank, e.master_addr, 'torch' in sys.modules, flush=True)")
 

@@ -1,4 +1,4 @@
-"""Tests for ddpkit.slurm_env: hostlists, ports and tasks-per-node.
+"""Tests for ddpkit.env.slurm: hostlists, ports and tasks-per-node.
 
 Pure functions, so no Slurm installation is needed.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ddpkit.errors import ConfigError, DDPKitError
-from ddpkit.slurm_env import (
+from ddpkit.env.slurm import (
     MAX_HOSTS,
     expand_nodelist,
     first_host,

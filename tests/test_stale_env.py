@@ -15,7 +15,7 @@ from unittest import mock
 
 import pytest
 
-from ddpkit.env import detect, spawn_env, to_environ
+from ddpkit.env.detect import detect, spawn_env, to_environ
 from ddpkit.errors import ConfigError
 from ddpkit.launch.network import free_port
 
@@ -123,7 +123,7 @@ def test_the_join_timeout_is_read_and_checked():
 
 
 def test_stale_rank_and_world_size_without_a_master_are_named_too():
-    from ddpkit.dist import resolve_init_method
+    from ddpkit.env.dist import resolve_init_method
 
     cli = os.path.join("site-packages", "ddpkit", "__main__.py")  # `python -m ddpkit train`
     with pytest.raises(ConfigError) as exc, mock.patch.object(sys, "argv", [cli]):

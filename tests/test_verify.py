@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from ddpkit.data import MicroStepSampler
-from ddpkit.verify.compare import FLOOR, compare, relative
-from ddpkit.verify.records import RunRecord, Step
+from ddpkit.data.loader import MicroStepSampler
+from ddpkit.verify.compare import FLOOR, compare
+from ddpkit.verify.records import RunRecord, Step, relative
 from ddpkit.verify.runs import Diverged, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -440,7 +440,7 @@ def test_a_printed_metric_is_named_only_when_a_sum_collective_returned_it():
 def test_row_digests_are_per_sample_and_independent_of_the_split():
     import torch
 
-    from ddpkit.probe_watch import first_tensor, row_digests
+    from ddpkit.verify.probe_watch import first_tensor, row_digests
     x = torch.randn(6, 3, 4)
     assert sorted(row_digests(x)) == sorted(row_digests(x[:3]) + row_digests(x[3:].flip(0)))
     assert len(set(row_digests(x))) == 6 and row_digests(torch.tensor(1.0)) == []
@@ -452,7 +452,7 @@ def test_attention_dropout_inside_torch_modules_is_turned_off(monkeypatch):
     import torch
     from torch import nn
 
-    from ddpkit.probe_watch import quiet_attention
+    from ddpkit.verify.probe_watch import quiet_attention
     functional = nn.functional  # put back after the test: verify patches it for its runs only
     monkeypatch.setattr(functional, "scaled_dot_product_attention",
                         functional.scaled_dot_product_attention)

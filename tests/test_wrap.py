@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from ddpkit.env import ClusterEnv
+from ddpkit.env.detect import ClusterEnv
 from ddpkit.errors import ConfigError
 from ddpkit.engines import STRATEGIES, wrap_model
 from ddpkit.engines.ddp import register_comm_hook as _register_comm_hook

@@ -12,9 +12,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
-from ddpkit.costprobe import workload_of  # noqa: E402
+from ddpkit.cost.measure import workload_of  # noqa: E402
 from ddpkit.plan.predict import predict  # noqa: E402
-from ddpkit.stepcost import LINKS, Link  # noqa: E402
+from ddpkit.cost.model import LINKS, Link  # noqa: E402
 
 META = {"device": "meta"}
 

@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from netns import Cluster, rate_bits  # noqa: E402
 
-from ddpkit.costprobe import measure_flops, workload_of  # noqa: E402
+from ddpkit.cost.measure import measure_flops, workload_of  # noqa: E402
 from ddpkit.plan.predict import predict  # noqa: E402
-from ddpkit.stepcost import LINKS, Link  # noqa: E402
+from ddpkit.cost.model import LINKS, Link  # noqa: E402
 
 sys.path.insert(0, HERE)
 from worker import mlp  # noqa: E402

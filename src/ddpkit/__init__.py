@@ -20,17 +20,17 @@ from .evaluate import evaluate
 from .launch.spawn import launch
 from .loop import CheckpointPolicy, FitConfig, Hook, fit
 from .precision import Precision
-from .resume import Checkpointer
+from .checkpoint.checkpointer import Checkpointer
 from .runtime import Runtime, setup
 from .wrap import unwrap
 
 # Also importable from here, as before the API was narrowed; their home (and documentation) is
 # the module named: rank utilities in ddpkit.comm (also methods of Runtime), loaders in
-# ddpkit.data, the cluster environment in ddpkit.env, seeding in ddpkit.seed.
+# ddpkit.data.loader, the cluster environment in ddpkit.env.detect, seeding in ddpkit.seed.
 from .comm import (barrier, broadcast_object, gather_object, is_main,  # noqa: F401  isort: skip
                    main_process_first, print0, reduce)
-from .data import DistributedLoader, make_loader  # noqa: F401  isort: skip
-from .env import ClusterEnv, detect  # noqa: F401  isort: skip
+from .data.loader import DistributedLoader, make_loader  # noqa: F401  isort: skip
+from .env.detect import ClusterEnv, detect  # noqa: F401  isort: skip
 from .seed import seed_everything  # noqa: F401  isort: skip
 
 from .version import __version__  # noqa: E402  isort: skip

@@ -14,16 +14,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from . import comm
-from .data import ShardSampler
-from .batches import IGNORE_INDEX
-from .batches import channels_last as to_channels_last
-from .batches import (forward, is_regression, logits_of, loss_sum, regression_pair, step_outputs,
+from .data.loader import ShardSampler
+from .data.batches import IGNORE_INDEX
+from .data.batches import channels_last as to_channels_last
+from .data.batches import (forward, is_regression, logits_of, loss_sum, regression_pair, step_outputs,
                       step_sums, sum_count, targets_of, to_device, topk_hits)
 from .errors import ConfigError
 from .precision import Precision
-from .resident import choose_resident, resident_batches
+from .data.resident import choose_resident, resident_batches
 from .seed import preserved_rng
-from .sharded import is_sharded
+from .checkpoint.sharded import is_sharded
 from .wrap import unwrap
 
 __all__ = ["evaluate", "topk_correct", "rank0_buffers"]
@@ -76,7 +76,7 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     them) and ``top{k}`` accuracies in percent for each k in ``topk`` (``topk=()``: none).
 
     A regression (float targets shaped like the outputs, ``(B, 1)`` against ``(B,)`` included;
-    see :func:`ddpkit.batches.is_regression`) returns ``loss`` (MSE unless ``loss_fn``), ``mse``,
+    see :func:`ddpkit.data.batches.is_regression`) returns ``loss`` (MSE unless ``loss_fn``), ``mse``,
     ``mae``, ``r2`` and ``count`` (target values) instead of ``top{k}``; r2 is ``1 - SSE / SST``
     over every target value, from float64 sums over all ranks (NaN when the targets are
     constant).
@@ -104,7 +104,7 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
 
     ``batch_size`` is per rank. Runs the unwrapped module, so DDP never waits on a collective
     while ranks process different numbers of batches. Sums stay on the device until the end
-    (no sync per batch); ``resident`` is as in :func:`ddpkit.data.make_loader` (on a GPU, data
+    (no sync per batch); ``resident`` is as in :func:`ddpkit.data.loader.make_loader` (on a GPU, data
     that fits is evaluated from device memory). The RNG streams (Python, NumPy, torch) are left
     where they were, so evaluating mid-training does not change the batches that follow.
 

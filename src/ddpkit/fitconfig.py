@@ -4,7 +4,7 @@ save, what to resume) and ``Hook`` (what to call along the way). ``ddpkit.loop``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -12,9 +12,6 @@ from torch import nn
 from .errors import DDPKitError
 from .log import RunLogger
 from .precision import Precision
-
-if TYPE_CHECKING:
-    from .loop import _Fit
 
 __all__ = ["CheckpointPolicy", "FitConfig", "Hook"]
 
@@ -88,7 +85,8 @@ class FitConfig:
 
 
 class Hook:
-    """Override any of these to observe or extend the loop; ``loop`` is the running fit.
+    """Override any of these to observe or extend the loop; ``loop`` is the running fit
+    (``ddpkit.loop``'s, which imports this module: its model, optimizer, state, config).
 
     Example::
 
@@ -97,8 +95,8 @@ class Hook:
                 print(loop.optimizer.param_groups[0]["lr"])
     """
 
-    def on_fit_start(self, loop: "_Fit") -> None: ...
-    def on_batch_end(self, loop: "_Fit", batch: Any) -> None: ...
-    def on_step_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
-    def on_epoch_end(self, loop: "_Fit", metrics: Dict[str, float]) -> None: ...
-    def on_fit_end(self, loop: "_Fit") -> None: ...
+    def on_fit_start(self, loop: Any) -> None: ...
+    def on_batch_end(self, loop: Any, batch: Any) -> None: ...
+    def on_step_end(self, loop: Any, metrics: Dict[str, float]) -> None: ...
+    def on_epoch_end(self, loop: Any, metrics: Dict[str, float]) -> None: ...
+    def on_fit_end(self, loop: Any) -> None: ...

@@ -16,16 +16,16 @@ from torch import nn
 
 from . import comm
 from .accumulate import Accumulator
-from .batches import (batch_size_of, channels_last, default_loss, forward, logits_of,
+from .data.batches import (batch_size_of, channels_last, default_loss, forward, logits_of,
                       step_sums, targets_of, to_device)
-from .data import DistributedLoader
+from .data.loader import DistributedLoader
 from .errors import ConfigError, DDPKitError
 from .log import RunLogger, format_epoch, progress
 from .fitconfig import CheckpointPolicy, FitConfig, Hook
 from .precision import Precision
-from .resume import Checkpointer, TrainState
+from .checkpoint.checkpointer import Checkpointer, TrainState
 from .runtime import Runtime
-from .stops import StopRequested
+from .faults.stops import StopRequested
 
 __all__ = ["TrainState", "CheckpointPolicy", "FitConfig", "Hook", "fit"]
 

@@ -120,7 +120,7 @@ class Precision:
 
 
 def _warn_if_bf16_emulated() -> None:
-    from .machine import cpu_info, native_bf16
+    from .env.machine import cpu_info, native_bf16
 
     flags = cpu_info()["flags"]
     if flags and not native_bf16(flags):

@@ -18,17 +18,17 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import comm, engines, probe
-from .batches import to_device
-from .crash import install_error_hook
-from .data import DistributedLoader, make_loader
-from .dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
-from .env import ClusterEnv
+from . import comm, engines, observe
+from .data.batches import to_device
+from .faults.crash import install_error_hook
+from .data.loader import DistributedLoader, make_loader
+from .env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
+from .env.detect import ClusterEnv
 from .evaluate import evaluate
-from .hangs import Progress
-from .resume import Checkpointer
+from .faults.hangs import Progress
+from .checkpoint.checkpointer import Checkpointer
 from .seed import seed_everything, set_deterministic
-from .stops import Stops
+from .faults.stops import Stops
 from .wrap import WrapOptions, check_not_wrapped, compile_model, unwrap
 
 __all__ = ["Runtime", "setup"]
@@ -86,7 +86,7 @@ class Runtime:
         if strategy is not None and not engine.serves(strategy):
             engine = engines.create(strategy)
         opts = WrapOptions(**options)
-        watch = probe.active()
+        watch = observe.active()
         if watch is not None:  # ddpkit verify: before DDP takes its copy of the parameters
             watch.model(model)
         wrapped = engine.wrap(model, self.env, self.device, opts)
@@ -152,7 +152,7 @@ class Runtime:
 
     def checkpointer(self, directory: Optional[str], *, model: nn.Module,
                      **parts: Any) -> Checkpointer:
-        """Exact save and resume for your own loop; see :class:`~ddpkit.resume.Checkpointer`.
+        """Exact save and resume for your own loop; see :class:`~ddpkit.checkpoint.checkpointer.Checkpointer`.
         Resumes at once when ``resume`` (default ``"auto"``) finds a checkpoint in ``directory``.
 
         Example::
@@ -270,5 +270,5 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
         seed_everything(seed)
     if deterministic:
         set_deterministic(True)
-    probe.start(env.rank, env.world_size, seeded=seed is not None)  # only under ddpkit verify
+    observe.start(env.rank, env.world_size, seeded=seed is not None)  # under ddpkit verify
     return Runtime(env, device, backend_name, chosen, stops, progress)

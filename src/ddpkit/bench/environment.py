@@ -1,6 +1,6 @@
 """The machine a ``ddpkit bench`` ran on: CPU, cores, torch, devices, GPU topology, load.
 
-The CPU facts themselves (model, flags, native bf16) live in :mod:`ddpkit.machine`.
+The CPU facts themselves (model, flags, native bf16) live in :mod:`ddpkit.env.machine`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..machine import cpu_info, loadavg, native_bf16
+from ..env.machine import cpu_info, loadavg, native_bf16
 
 __all__ = ["environment"]
 

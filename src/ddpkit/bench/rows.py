@@ -166,7 +166,7 @@ def capabilities(cfg: BenchConfig) -> Dict[str, Any]:
     import torch
 
     from ..engines import create
-    from ..machine import bf16_slowdown, cpu_info, native_bf16
+    from ..env.machine import bf16_slowdown, cpu_info, native_bf16
 
     caps: Dict[str, Any] = {"cuda_count": torch.cuda.device_count(), "bf16_slowdown": None}
     caps["horovod_missing"] = create("horovod").unavailable() if "horovod" in cfg.rows else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List
 
-from ..machine import loadavg
+from ..env.machine import loadavg
 from .rows import ROWS, BenchConfig, capabilities, plan_row, skip_reason
 
 __all__ = ["measure", "run_rounds", "run_bench"]

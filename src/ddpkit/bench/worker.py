@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import comm
 from ..accumulate import Accumulator
-from ..batches import cross_entropy
+from ..data.batches import cross_entropy
 from ..job.build import replicated_model
 from ..job.datasets import build_dataset, synthetic
 from ..job.models import LANGUAGE_MODELS, model_key

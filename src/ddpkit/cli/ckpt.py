@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_consolidate(ns: argparse.Namespace) -> int:
-    from ..sharded import consolidate
+    from ..checkpoint.sharded import consolidate
 
     path = consolidate(ns.checkpoint, ns.out)
     print(f"wrote {path}: the model's full state_dict (load it with "

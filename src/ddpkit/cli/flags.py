@@ -8,7 +8,7 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
-from ..k8s_env import pod_launch
+from ..env.k8s import pod_launch
 from ..launch.torchrun import RunConfig
 
 __all__ = ["add_launch_flags", "run_config", "parse_nnodes", "from_pod"]

@@ -68,7 +68,7 @@ def parse_link(text: str):  # -> Link
 
         parse_link("1gbit"); parse_link("doctor.json")
     """
-    from ..stepcost import LINKS, Link
+    from ..cost.model import LINKS, Link
 
     if text in LINKS:
         return LINKS[text]
@@ -96,7 +96,7 @@ def _nodes(text: str) -> list:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
-    from ..costprobe import measure_flops
+    from ..cost.measure import measure_flops
     from ..plan.measure import rank_threads, using_threads
     from ..plan.predict import predict
     from ..plan.report import advice, as_json, assumptions, table
@@ -164,7 +164,7 @@ def _measure(ns: argparse.Namespace, compute, per_node: int, host: int
     from ..plan.calibrate import calibrate
     from ..plan.measure import Measured, job_input, job_workload, parse_shape
     from ..plan.predict import HOOKS, synthetic_workload
-    from ..stepcost import DEFAULT_RANKS
+    from ..cost.model import DEFAULT_RANKS
 
     shape = parse_shape(ns.input_shape) if ns.input_shape else None
     device = "cuda" if torch.cuda.is_available() else "cpu"   # as train's --accelerator auto

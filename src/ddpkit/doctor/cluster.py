@@ -12,10 +12,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as tdist
 
-from ..costprobe import sync_device, time_allreduce
+from ..cost.measure import sync_device, time_allreduce
 from ..errors import JobSetupError
-from ..stepcost import Link, bandwidths, fit_link, ring_allreduce_seconds
-from ..shared_dir import check_shared
+from ..cost.model import Link, bandwidths, fit_link, ring_allreduce_seconds
+from ..checkpoint.shared_dir import check_shared
 from .checks import Finding
 
 __all__ = ["collective", "clocks", "shared", "sweep", "sweep_sizes", "link_finding",

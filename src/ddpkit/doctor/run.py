@@ -11,7 +11,7 @@ import os
 import time
 from typing import List, Optional
 
-from ..dist import DEFAULT_TIMEOUT
+from ..env.dist import DEFAULT_TIMEOUT
 from ..errors import ConfigError
 
 __all__ = ["main", "parse_size"]

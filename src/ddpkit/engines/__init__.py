@@ -12,7 +12,7 @@ from typing import Dict, Mapping, Optional, Type
 import torch
 from torch import nn
 
-from ..env import ClusterEnv
+from ..env.detect import ClusterEnv
 from ..errors import ConfigError, DDPKitError
 from ..wrap import WrapOptions
 from .base import Engine

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from ..crash import die_with_launcher
-from ..dist import init_process_group, shutdown
-from ..env import ClusterEnv, detect
+from ..faults.crash import die_with_launcher
+from ..env.dist import init_process_group, shutdown
+from ..env.detect import ClusterEnv, detect
 from ..wrap import WrapOptions
 
 __all__ = ["Engine", "Reduction", "REDUCE_OPS"]

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import autohook
-from ..env import ClusterEnv
+from ..cost import auto as autohook
+from ..env.detect import ClusterEnv
 from ..errors import ConfigError
-from ..lowrank import BatchedPowerSGD, batched_powersgd_hook
-from ..stepcost import DEFAULT_RANKS
+from ..cost.lowrank import BatchedPowerSGD, batched_powersgd_hook
+from ..cost.model import DEFAULT_RANKS
 from ..wrap import WrapOptions
 from .base import Engine
 
@@ -23,7 +23,7 @@ __all__ = ["DDPEngine", "bf16_compress_any_backend", "register_comm_hook", "comm
            "COMM_HOOKS"]
 
 #: "auto" measures the step and the link at the first training step and picks one of the others
-#: (ddpkit.autohook).
+#: (ddpkit.cost.auto).
 COMM_HOOKS = ("fp16", "bf16", "powersgd", "powersgd-batched", "auto")
 
 
@@ -90,7 +90,7 @@ def bf16_compress_any_backend(group, bucket):  # type: ignore[no-untyped-def]
 def register_comm_hook(model: DistributedDataParallel, name: str,
                        options: Optional[WrapOptions] = None) -> None:
     """Compress ``model``'s gradient all-reduce: ``fp16``, ``bf16``, ``powersgd`` or
-    ``powersgd-batched`` (:mod:`ddpkit.lowrank`).
+    ``powersgd-batched`` (:mod:`ddpkit.cost.lowrank`).
 
     Example::
 

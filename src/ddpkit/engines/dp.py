@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import DataParallel
 
-from ..env import ClusterEnv
+from ..env.detect import ClusterEnv
 from ..errors import ConfigError
 from ..wrap import WrapOptions
 from .base import Engine

@@ -1,7 +1,7 @@
 """The ``fsdp`` engine: PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``). Every rank holds
 1/N of the parameters, gradients and optimizer state; a block's parameters are gathered for its
 forward and backward and its gradients reduce-scattered. Checkpoints are sharded
-(:mod:`ddpkit.sharded`, ``torch.distributed.checkpoint``) and resume on any number of ranks.
+(:mod:`ddpkit.checkpoint.sharded`, ``torch.distributed.checkpoint``) and resume on any number of ranks.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequ
 import torch
 from torch import nn
 
-from ..env import ClusterEnv
+from ..env.detect import ClusterEnv
 from ..errors import ConfigError
 from ..wrap import WrapOptions
 from .base import Engine

@@ -24,7 +24,7 @@ from typing import Any, ContextManager, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ..env import ClusterEnv
+from ..env.detect import ClusterEnv
 from ..errors import ConfigError
 from ..wrap import WrapOptions
 from .base import Engine, Reduction

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import resolve_resume
+from ..checkpoint.files import resolve_resume
 from ..engines import create as create_engine
 from ..errors import ConfigError
 from ..wrap import WrapOptions, check_compile

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from ..resident import ResidentData
+from ..data.resident import ResidentData
 
 __all__ = ["ImageDataset", "InMemoryImages", "random_crop_flip", "batch_crop_flip",
            "crop_flip_draws", "CIFAR10_MEAN", "CIFAR10_STD",

@@ -14,16 +14,16 @@ from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
-from ..checkpoint import list_checkpoints
-from ..ckpt_write import RESUME_COMMAND_VAR
+from ..checkpoint.files import list_checkpoints
+from ..checkpoint.write import RESUME_COMMAND_VAR
 from ..engines import create as create_engine
-from ..env import detect
+from ..env.detect import detect
 from ..errors import ConfigError
 from ..launch import horovodrun
 from ..launch.srun import step_task
 from ..launch.torchrun import RunConfig, run
 from .check import check_config, check_every_world, check_resume, known_train_size
-from ..dist import check_gpu_sharing
+from ..env.dist import check_gpu_sharing
 from .config import TrainConfig, parse_nproc
 from .rundir import hold_run_dir
 

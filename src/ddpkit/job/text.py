@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import ConfigError
-from ..resident import ResidentData
+from ..data.resident import ResidentData
 
 __all__ = ["TextBytes", "text", "TEXT_EXTENSIONS", "default_corpus"]
 

@@ -12,12 +12,12 @@ from datetime import timedelta
 from typing import Any
 
 from .. import comm
-from ..autohook import choice_of
-from ..ckpt_write import SaveError
+from ..cost.auto import choice_of
+from ..checkpoint.write import SaveError
 from ..log import RunLogger, banner
 from ..loop import CheckpointPolicy, FitConfig, TrainState, fit
 from ..precision import Precision, gpu_math
-from ..resident import describe
+from ..data.resident import describe
 from ..runtime import setup
 from ..seed import seed_everything
 from .build import build_datasets, build_optimizer, build_scheduler, build_wrapped_model

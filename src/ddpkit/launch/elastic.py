@@ -4,7 +4,7 @@ each time torchrun's agent forms a new group, saying who left or joined and how 
 torchrun's c10d rendezvous changes membership but only logs it at INFO (quiet in ``ddpkit
 run``). After each rendezvous round every node's agent writes its name into that round's store
 and reads the others'; the node with group rank 0 compares them with the previous round's.
-The workers then resume from the newest checkpoint at the new world size (:mod:`ddpkit.resume`).
+The workers then resume from the newest checkpoint at the new world size (:mod:`ddpkit.checkpoint.checkpointer`).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ __all__ = ["K8sJob", "render_k8s", "to_yaml", "KINDS", "DEFAULT_GRACE", "PORT", 
 
 KINDS = ("indexed-job", "trainjob")
 #: Seconds between SIGTERM (eviction, preemption, a drained node) and SIGKILL: every rank
-#: finishes its step and saves a checkpoint meanwhile (ddpkit.stops).
+#: finishes its step and saves a checkpoint meanwhile (ddpkit.faults.stops).
 DEFAULT_GRACE = 120
 #: Of the grace period, what the launcher keeps for itself after its workers' window.
 AGENT_MARGIN = 10

@@ -10,15 +10,15 @@ import signal
 import sys
 from typing import Any, Iterator, Optional, Tuple
 
-from ..crash import PEER_LOSS_SUFFIX
-from ..stops import STOP_SIGNALS, signal_name
+from ..faults.crash import PEER_LOSS_SUFFIX
+from ..faults.stops import STOP_SIGNALS, signal_name
 
 __all__ = ["how", "first_failure", "naming_restarts"]
 
 
 def how(failure: Any, restarting: bool = False) -> str:
     """How a worker failed, and whether its own error is above (torchrun's error file says).
-    ``restarting``: a rank that only lost a peer has said nothing (ddpkit.crash), so say so."""
+    ``restarting``: a rank that only lost a peer has said nothing (ddpkit.faults.crash), so say so."""
     if isinstance(failure.error_file_data.get("message"), dict):
         return f"exit code {failure.exitcode}; its error is printed above"
     if failure.exitcode < 0:
@@ -63,7 +63,7 @@ def _say_restart(agent: Any, group: Any, failed: Any) -> None:
 
 
 def _stopped_with_group(failure: Any) -> Optional[str]:
-    """128 + a stop signal is ddpkit's agreed stop (ddpkit.stops): this node's agent got no
+    """128 + a stop signal is ddpkit's agreed stop (ddpkit.faults.stops): this node's agent got no
     signal (it is restarting), so the signal reached a rank on another node, and every rank
     saved and left with it. None for any other failure."""
     signum = failure.exitcode - 128
@@ -81,7 +81,7 @@ def _error_file(agent: Any, failure: Any) -> Optional[str]:
 
 
 def _peer_loss(failure: Any, error_file: Optional[str]) -> Optional[str]:
-    """``lost a peer at 10.0.0.3 after step 6 ...`` when the rank said so (ddpkit.crash, beside
+    """``lost a peer at 10.0.0.3 after step 6 ...`` when the rank said so (ddpkit.faults.crash, beside
     its ``error_file``), else None."""
     if error_file is None or isinstance(failure.error_file_data.get("message"), dict):
         return None  # it failed itself: its own error is printed

@@ -12,7 +12,7 @@ from ..errors import ConfigError
 __all__ = ["render_sbatch", "DEFAULT_REQUEUE_GRACE", "PORT_FROM_JOB_ID"]
 
 #: The rendezvous port on the head node unless one is given: one per job, so that jobs sharing a
-#: node do not collide (the formula of :func:`ddpkit.slurm_env.port_from_job_id`).
+#: node do not collide (the formula of :func:`ddpkit.env.slurm.port_from_job_id`).
 PORT_FROM_JOB_ID = "$((15000 + SLURM_JOB_ID % 20000))"
 #: Seconds between Slurm's SIGUSR1 and the end: time to finish a step and save a checkpoint.
 DEFAULT_REQUEUE_GRACE = 120
@@ -83,7 +83,7 @@ def render_sbatch(
     ``rdzv_timeout``: seconds every node has to join; ``max_restarts``: whole-group restarts
     after a worker dies (the script resumes from its checkpoints). ``requeue_grace``: Slurm
     sends SIGUSR1 that many seconds before the time limit or a preemption; every rank finishes
-    its step and saves a checkpoint (:mod:`ddpkit.stops`), and the job requeues itself, to
+    its step and saves a checkpoint (:mod:`ddpkit.faults.stops`), and the job requeues itself, to
     resume from it (``None``: no signal, no requeue). ``min_nodes``: elastic, the job goes on
     while that many nodes remain (``--no-kill``, ``--nnodes MIN:$SLURM_NNODES``; a lost node's
     task does not end the step).

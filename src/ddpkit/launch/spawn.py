@@ -14,9 +14,9 @@ from typing import Any, Callable, Dict, Optional
 
 import torch.multiprocessing as mp
 
-from ..crash import is_peer_failure
-from ..dist import shutdown
-from ..env import spawn_env, to_environ
+from ..faults.crash import is_peer_failure
+from ..env.dist import shutdown
+from ..env.detect import spawn_env, to_environ
 from ..errors import ConfigError
 from .network import free_port
 

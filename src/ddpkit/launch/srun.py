@@ -10,7 +10,7 @@ import os
 from typing import Mapping, Optional
 
 from ..errors import ConfigError, JobSetupError
-from ..slurm_env import expand_nodelist, parse_tasks_per_node, step_id, step_tasks_per_node
+from ..env.slurm import expand_nodelist, parse_tasks_per_node, step_id, step_tasks_per_node
 
 __all__ = ["step_task", "check_layout", "is_first_task"]
 

@@ -14,10 +14,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..crash import LAUNCHER_PID_VAR
+from ..faults.crash import LAUNCHER_PID_VAR
 from ..errors import ConfigError
-from ..k8s_env import pod_launch
-from ..stops import STOP_SIGNALS, signal_name
+from ..env.k8s import pod_launch
+from ..faults.stops import STOP_SIGNALS, signal_name
 from . import elastic, network as net, restarts, srun, watchdog
 from .network import port_in_use
 
@@ -189,7 +189,7 @@ def torchrun_args(cfg: RunConfig, nproc: int, extra: Sequence[str] = ()) -> List
         args += ["--log-dir", cfg.log_dir]
     if _agent_takes_signal_list():
         # The agent stops every worker with the signal it got, SIGUSR1 too (Slurm's --signal),
-        # so the workers can checkpoint before a preemption (ddpkit.stops).
+        # so the workers can checkpoint before a preemption (ddpkit.faults.stops).
         args += ["--signals-to-handle", AGENT_SIGNALS]
     args += list(extra)
     if cfg.module:
@@ -255,7 +255,7 @@ def _network(cfg: RunConfig) -> Tuple[List[str], net.NodeNetwork]:
                             lambda line: print(line, file=sys.stderr, flush=True))
     plan = net.node_network(cfg.rdzv_endpoint, cfg.iface)
     # A fresh store per rendezvous round (served by worker rank 0): no stale keys after a
-    # restart, whatever each node's restart count (see ddpkit.dist).
+    # restart, whatever each node's restart count (see ddpkit.env.dist).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     conf: dict = {}
     if cfg.elastic or cfg.restarts:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from ..costprobe import Timing, sync_device
+from ..cost.measure import Timing, sync_device
 
 __all__ = ["calibrate", "main"]
 
@@ -117,7 +117,7 @@ def _hook_in_step(shapes: Sequence[Any], hook: str, rank: int, group: Any, repea
     (the first, a warm-up that allocates PowerSGD's P, Q and error, drops)."""
     import torch.distributed as dist
 
-    from ..autohook import time_hooks
+    from ..cost.auto import time_hooks
     from ..engines.ddp import comm_hook_for
     from ..wrap import WrapOptions
 
@@ -159,7 +159,7 @@ def _training_step(model: torch.nn.Module, group: Any, batches: Iterator[Any],
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..batches import default_loss, logits_of
+    from ..data.batches import default_loss, logits_of
     from ..job.build import build_optimizer
     from ..job.config import TrainConfig
 
@@ -182,7 +182,7 @@ def _training_step(model: torch.nn.Module, group: Any, batches: Iterator[Any],
 def _time_step(spec: Dict[str, Any], rank: int, device: torch.device, alone: List[Any],
                nodes: List[Any], per_node: int, found: Dict[str, List[float]]) -> List[Any]:
     """The job's step (and the node's whole step) into ``found``; its gradients' buckets."""
-    from ..costprobe import workload_of
+    from ..cost.measure import workload_of
     from .measure import job_input, job_model
 
     inp = job_input(spec["model"], spec.get("data"), spec.get("data_dir"), spec.get("shape"))

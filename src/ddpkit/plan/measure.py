@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..costprobe import Timing, Workload, workload_of
+from ..cost.measure import Timing, Workload, workload_of
 from ..errors import ConfigError
 
 __all__ = ["JobInput", "Measured", "job_input", "parse_shape", "rank_threads", "using_threads",
@@ -118,7 +118,7 @@ def rank_threads(ranks_per_node: int, environ: Mapping[str, str] = os.environ,
                  cores: Optional[int] = None) -> int:
     """The intra-op threads one CPU rank of ``ddpkit train`` runs with: ``OMP_NUM_THREADS``
     when set, else the cores split between the node's ranks (as
-    ``ddpkit.dist.cpu_threads_per_process``), torch's own choice for one rank alone. Timing with
+    ``ddpkit.env.dist.cpu_threads_per_process``), torch's own choice for one rank alone. Timing with
     every thread where two ranks share the cores put the default job's compute anywhere in
     38-855 ms over six runs.
 

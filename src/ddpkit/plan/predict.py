@@ -1,5 +1,5 @@
 """``ddpkit plan``'s predictions: a model's gradient buckets and its measured compute time
-(``.measure``) fed to the cost model (``ddpkit.stepcost``) for every node count and comm hook,
+(``.measure``) fed to the cost model (``ddpkit.cost.model``) for every node count and comm hook,
 and the recommendation.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..costprobe import Workload, workload_of
-from ..stepcost import DEFAULT_RANKS, GAIN, Link, StepTime, step_time
+from ..cost.measure import Workload, workload_of
+from ..cost.model import DEFAULT_RANKS, GAIN, Link, StepTime, step_time
 
 __all__ = ["Row", "synthetic_workload", "predict", "recommend", "HOOKS", "GAIN"]
 

@@ -7,8 +7,8 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..costprobe import Workload
-from ..stepcost import Link
+from ..cost.measure import Workload
+from ..cost.model import Link
 from .measure import Measured
 from .predict import Row, recommend
 

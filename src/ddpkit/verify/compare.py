@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .records import RunRecord, Step
+from .records import RunRecord, Step, relative
 
-__all__ = ["Verdict", "compare", "relative", "bounds", "FLOOR", "MARGIN", "CEILING"]
+__all__ = ["Verdict", "compare", "bounds", "FLOOR", "MARGIN", "CEILING"]
 
 #: The least tolerance: a few float32 roundings (float32's epsilon is 1.2e-7).
 FLOOR = 1e-6
@@ -64,19 +64,6 @@ class Verdict:
     ceiling: float = CEILING
     nondeterministic: bool = False       # one process run twice already differed
     band: float = FLOOR                  # the tolerance at the first divergent step
-
-
-def relative(a: float, b: float) -> float:
-    """``|a - b|`` relative to the larger of the two (0 for two zeros).
-
-    Example::
-
-        relative(1.0, 1.0001)   # 9.9990e-05
-    """
-    if math.isnan(a) or math.isnan(b):  # a NaN on one side only is as far as it gets
-        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
-    scale = max(abs(a), abs(b))
-    return abs(a - b) / scale if scale else 0.0
 
 
 def _params(a: Step, b: Step) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional, Tuple
 
-from .compare import relative
+from .records import relative
 from .evidence import gradient_collectives
 from .records import RunRecord, Step
 

@@ -1,14 +1,15 @@
-"""What the ranks of one ``ddpkit verify`` run recorded (``ddpkit.probe``), merged per optimizer
+"""What the ranks of one ``ddpkit verify`` run recorded (``ddpkit.verify.probe``), merged per optimizer
 step: the global samples, the global loss, the gradient norm, the parameters' digest.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-__all__ = ["Step", "RunRecord", "load"]
+__all__ = ["Step", "RunRecord", "load", "relative"]
 
 
 @dataclass
@@ -133,3 +134,16 @@ def _merge(records: List[Dict[str, Any]], ends: List[set]) -> Step:
         epoch_end=any(n - 1 in e for e in ends),
         rows=[r.get("rows", []) for r in records],
         loss_counts=[r.get("loss_counts", []) for r in records])
+
+
+def relative(a: float, b: float) -> float:
+    """``|a - b|`` relative to the larger of the two (0 for two zeros).
+
+    Example::
+
+        relative(1.0, 1.0001)   # 9.9990e-05
+    """
+    if math.isnan(a) or math.isnan(b):  # a NaN on one side only is as far as it gets
+        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
+    scale = max(abs(a), abs(b))
+    return abs(a - b) / scale if scale else 0.0

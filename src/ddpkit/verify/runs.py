@@ -1,6 +1,6 @@
 """Running the user's unchanged script for ``ddpkit verify``: on 1 process (twice, and once with
 every batch reversed) and on N, each as ``ddpkit run`` runs it (a free port, the cores split),
-with ``ddpkit.setup()`` recording every optimizer step (``ddpkit.probe``).
+with ``ddpkit.setup()`` recording every optimizer step (``ddpkit.verify.probe``).
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import tempfile
 from typing import Optional, Sequence, Tuple
 
 from ..errors import ConfigError
-from ..probe import ACCUM_VAR, EVAL_VAR, ORDER_VAR, STEPS_VAR, VERIFY_VAR
+from ..observe import OBSERVER_VAR
+from .probe import ACCUM_VAR, EVAL_VAR, ORDER_VAR, STEPS_VAR, VERIFY_VAR
 from .compare import Verdict, compare
 from .records import RunRecord, load
 
@@ -57,7 +58,8 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
         run_script("train.py", ["--epochs", "1"], 2, 10, "/tmp/verify/many")
     """
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env.update({VERIFY_VAR: directory, STEPS_VAR: str(steps), "PYTHONUNBUFFERED": "1"})
+    env.update({OBSERVER_VAR: "ddpkit.verify.probe", VERIFY_VAR: directory,
+                STEPS_VAR: str(steps), "PYTHONUNBUFFERED": "1"})
     if reverse:
         env[ORDER_VAR] = "reverse"
     if eval_within > 0:

@@ -1,5 +1,5 @@
 """When things go wrong: one error line per failure instead of a traceback per rank, collective
-timeouts named. (Workers that die with their launcher: :mod:`ddpkit.stops`, re-exported here.)
+timeouts named. (Workers that die with their launcher: :mod:`ddpkit.faults.stops`, re-exported here.)
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import DDPKitError, JobSetupError
+from ..errors import DDPKitError, JobSetupError
 from .stops import LAUNCHER_PID_VAR, die_with_launcher, quiet_exit  # noqa: F401 (re-exported)
 
 __all__ = ["install_error_hook", "collective_timeout", "is_peer_failure", "die_with_launcher",
@@ -211,9 +211,9 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
     only because a peer died is one line too, so the failing rank's traceback stands out; a
     collective that timed out is one line on every rank (:func:`collective_timeout`).
     Install it after the process group exists: PyTorch wraps ``sys.excepthook`` at init.
-    With ``stops`` (:class:`ddpkit.stops.Stops`), an error after a stop signal is the stop's
+    With ``stops`` (:class:`ddpkit.faults.stops.Stops`), an error after a stop signal is the stop's
     consequence: the process leaves quietly with 128 + the signal. With ``progress``
-    (:class:`ddpkit.hangs.Progress`) on one node, a timed-out collective names the ranks that
+    (:class:`ddpkit.faults.hangs.Progress`) on one node, a timed-out collective names the ranks that
     never arrived, with their last step and Python stack, from the lowest waiting rank only.
 
     Example::

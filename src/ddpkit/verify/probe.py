@@ -1,5 +1,5 @@
-"""What ``ddpkit verify`` sees inside a user's unchanged script: with ``DDPKIT_VERIFY`` set,
-``setup()`` records every optimizer step of this rank (the samples consumed, the losses
+"""What ``ddpkit verify`` sees inside a user's unchanged script: the observer ``setup()`` starts
+(``ddpkit.observe``) when ``ddpkit verify`` sets ``DDPKIT_OBSERVER`` and ``DDPKIT_VERIFY``; it records every optimizer step of this rank (the samples consumed, the losses
 backpropagated, the gradient norm before clipping, the learning rate, a digest of the
 parameters after the step) as JSON lines, and ends the run after ``DDPKIT_VERIFY_STEPS`` steps.
 
@@ -230,6 +230,10 @@ class Probe:
     def foreign_loader(self) -> None:
         """A DataLoader that is not ``rt.loader``'s was iterated (a sampler of the script's own)."""
         self._write({"event": "foreign_loader", "step": self.step})
+
+    def reorder(self, batch: Any) -> Any:
+        """The batch as this run feeds it: reversed when it checks the reduction order."""
+        return reverse_batch(batch) if self.reverse else batch
 
     def batch(self, indices: List[int], last: bool) -> None:
         """``rt.loader`` handed out a batch of these samples (``last``: the epoch's last)."""

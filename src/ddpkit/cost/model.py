@@ -187,7 +187,7 @@ def _powersgd(shape: Tuple[int, ...], rank: int) -> Tuple[float, float, bool]:
 
 
 def square_side(numel: int) -> int:
-    """The side of the square matrix batched PowerSGD (``ddpkit.lowrank``) views a bucket of
+    """The side of the square matrix batched PowerSGD (``ddpkit.cost.lowrank``) views a bucket of
     ``numel`` floats as: ceil(sqrt(numel)).
 
     Example::

@@ -3,7 +3,7 @@ accumulates K micro-batches per optimizer step instead, unchanged. Every optimiz
 happens on its K-th call; ``zero_grad``, the scheduler's step and GradScaler's ``update`` only
 right after a step that happened; clipping and ``GradScaler.unscale_`` only before one.
 
-Nothing here runs unless the probe (``ddpkit.probe``) installs it for such a run.
+Nothing here runs unless the probe (``ddpkit.verify.probe``) installs it for such a run.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["HoldBack"]
 

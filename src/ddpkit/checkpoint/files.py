@@ -15,10 +15,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import comm
-from .ckpt_compat import check_compatible, check_optimizer_compatible
-from .ckpt_write import SaveError, atomic_write, disk_full, no_space, state_bytes
-from .errors import ConfigError, DDPKitError
+from .. import comm
+from .compat import check_compatible, check_optimizer_compatible
+from .write import SaveError, atomic_write, disk_full, no_space, state_bytes
+from ..errors import ConfigError, DDPKitError
+from .names import _NAME, _step_of, checkpoint_name, list_checkpoints
 from .sharded import remove_shards
 
 __all__ = ["checkpoint_name", "save_checkpoint", "load_checkpoint", "list_checkpoints",
@@ -28,21 +29,10 @@ __all__ = ["checkpoint_name", "save_checkpoint", "load_checkpoint", "list_checkp
 PathLike = Union[str, Path]
 FORMAT_VERSION = 1
 LATEST = "latest"                        # pointer file holding the newest checkpoint's name
-_NAME = re.compile(r"ckpt-(\d+)\.pt")
 _TMP = re.compile(r"ckpt-(\d+)\.pt\.tmp")
 _CHUNK = 1 << 24
 # Exact types: subclasses (e.g. torch.__version__, a str subclass) pickle as refused globals.
 _PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
-
-
-def checkpoint_name(step: int) -> str:
-    """File name of the checkpoint for ``step`` (zero-padded so names sort by step).
-
-    Example::
-
-        checkpoint_name(42)   # 'ckpt-000000042.pt'
-    """
-    return f"ckpt-{step:09d}.pt"
 
 
 # --------------------------------------------------------------------------- saving
@@ -54,7 +44,7 @@ def save_checkpoint(state: Dict[str, Any], directory: PathLike, step: int,
     The write is atomic (temp file, fsync, rename), then the ``latest`` pointer is updated and
     checkpoints older than the newest ``keep`` are deleted. Only rank 0's arguments are used.
     If rank 0 fails, every rank raises :class:`DDPKitError` (none is left waiting); a full disk
-    is one line (:class:`~ddpkit.ckpt_write.SaveError`, printed by rank 0 alone): the size, the
+    is one line (:class:`~ddpkit.checkpoint.write.SaveError`, printed by rank 0 alone): the size, the
     newest intact checkpoint and how to resume, with the partial file removed.
     Returns the new file's path on rank 0 and ``None`` on the other ranks.
 
@@ -274,28 +264,6 @@ def _refused(path: Path, exc: BaseException) -> str:
             f"executed: {why}; load only checkpoints written by save_checkpoint")
 
 
-def list_checkpoints(directory: PathLike) -> List[Path]:
-    """The ``ckpt-*.pt`` files in ``directory``, oldest step first (``.tmp`` files are ignored).
-
-    Example::
-
-        list_checkpoints("ckpt")   # [.../ckpt-000000500.pt, .../ckpt-000001000.pt]
-    """
-    directory = Path(directory).expanduser()
-    if not directory.exists():
-        return []
-    if not directory.is_dir():
-        raise ConfigError(f"checkpoint directory {directory} is a file; pass a directory")
-    found = [(int(m.group(1)), p.name, p) for p in directory.iterdir()
-             if (m := _NAME.fullmatch(p.name)) and p.is_file()]
-    return [p for _, _, p in sorted(found)]
-
-
-def _step_of(path: Path) -> int:
-    match = _NAME.fullmatch(path.name)
-    return int(match.group(1)) if match else -1
-
-
 def find_latest(directory: PathLike,
                 map_location: Any = None) -> Optional[Tuple[Path, dict]]:
     """The newest loadable checkpoint in ``directory`` and its state, or ``None`` if there is none.
@@ -386,7 +354,7 @@ def checkpoint_metadata() -> Dict[str, Any]:
 
         state["meta"] = checkpoint_metadata()   # {'ddpkit': '0.1.0', 'torch': ..., 'format': 1}
     """
-    from .version import __version__
+    from ..version import __version__
 
     # str(): torch.__version__ is a TorchVersion, which the weights_only loader refuses.
     return {"ddpkit": __version__, "torch": str(torch.__version__), "format": FORMAT_VERSION}

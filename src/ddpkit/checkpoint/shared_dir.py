@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Union
 
-from . import comm
-from .errors import ConfigError, JobSetupError
+from .. import comm
+from ..errors import ConfigError, JobSetupError
 
 __all__ = ["check_shared"]
 

@@ -1,7 +1,8 @@
 """What a checkpointer tells the user about surviving failures: a resume on another number of
 processes (an elastic job that shrank or grew: the global batch kept and how it is split now,
 what differs), what a failure costs at this checkpoint cadence, and whether a stop can end in a
-checkpoint within the launcher's window. Used by :mod:`.resume`.
+checkpoint within the launcher's window: the lines it prints, apart from its mechanics
+(:mod:`.checkpointer`).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 from torch import nn
 
-from .wrap import unwrap
+from ..wrap import unwrap
 
 __all__ = ["world_change_line", "cadence_line", "grace_line", "restarts_allowed"]
 

@@ -45,7 +45,7 @@ class WorkerInit:
         if _numpy is not None:
             _numpy.random.seed(s % (2 ** 32))
         # torchrun's agent stops a rank by signalling its process group (SIGTERM, SIGUSR1); the
-        # rank then finishes its step, saves and stops (ddpkit.stops), so its workers must not
+        # rank then finishes its step, saves and stops (ddpkit.faults.stops), so its workers must not
         # die first (torch's worker handler would, and the rank would fail on a dead worker).
         # In a group of their own they are out of the way, and still end with the rank: it
         # stops them itself (SIGTERM from the parent), or torch's watchdog sees it gone.

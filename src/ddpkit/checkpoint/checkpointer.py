@@ -14,17 +14,17 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 from torch import nn
 
-from . import comm
-from .checkpoint import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
+from .. import comm
+from .files import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
                          checkpoint_name, load_checkpoint, resolve_resume, save_checkpoint)
-from .ckpt_compat import plain_state
-from .errors import ConfigError
-from .resume_notes import cadence_line, grace_line, restarts_allowed, world_change_line
-from .seed import rng_state, set_rng_state
+from .compat import plain_state
+from ..errors import ConfigError
+from .advice import cadence_line, grace_line, restarts_allowed, world_change_line
+from ..seed import rng_state, set_rng_state
 from .shared_dir import check_shared
 from .sharded import is_sharded, load_full_state, load_shards, remove_shards, save_shards
-from .stops import StopRequested, signal_name
-from .wrap import unwrap
+from ..faults.stops import StopRequested, signal_name
+from ..wrap import unwrap
 
 __all__ = ["Checkpointer", "TrainState"]
 
@@ -138,7 +138,7 @@ class Checkpointer:
 
         Returns the checkpoint written (rank 0) or None. ``global_step`` sets the count instead
         of adding one (a loop that keeps its own). On SIGTERM / SIGUSR1 every rank saves after
-        the same step and raises :class:`~ddpkit.stops.StopRequested` (exit 128 + signal).
+        the same step and raises :class:`~ddpkit.faults.stops.StopRequested` (exit 128 + signal).
 
         Example::
 
@@ -250,7 +250,7 @@ class Checkpointer:
 
     def state_dict(self, shards: Optional[str] = None) -> Dict[str, Any]:
         """Everything an exact resume needs, gathered on every rank (a collective: the RNG).
-        With ``shards`` (FSDP: :mod:`ddpkit.sharded` wrote model and optimizer) the checkpoint
+        With ``shards`` (FSDP: :mod:`ddpkit.checkpoint.sharded` wrote model and optimizer) the checkpoint
         names that directory instead of holding them."""
         weights = {"sharded": shards} if shards else {
             "model": unwrap(self.model).state_dict(),

@@ -1,6 +1,6 @@
 """Process-group set-up and tear-down: device, backend, init method, timeout, threads.
 
-Everything here takes a :class:`~ddpkit.env.ClusterEnv`; nothing reads the environment itself
+Everything here takes a :class:`~ddpkit.env.detect.ClusterEnv`; nothing reads the environment itself
 except :func:`cpu_threads_per_process`, which honours the user's ``OMP_NUM_THREADS``.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as tdist
 from torch.distributed.rendezvous import rendezvous
 
-from .env import JOIN_TIMEOUT_VAR, ClusterEnv
-from .errors import ConfigError
+from .detect import JOIN_TIMEOUT_VAR, ClusterEnv
+from ..errors import ConfigError
 
 __all__ = ["select_device", "check_gpu_sharing", "resolve_backend", "resolve_init_method",
            "check_master_resolves",
@@ -224,7 +224,7 @@ def _join_store(env: ClusterEnv, timeout: timedelta) -> tdist.Store:
 
     torch's env:// waits for the others in native code, where Ctrl-C cannot reach it, for the
     whole collective timeout, and then raises a long DistStoreError. Here each wait is a short
-    Python step, so Ctrl-C ends it at once (ddpkit.stops), and a job whose processes do not all
+    Python step, so Ctrl-C ends it at once (ddpkit.faults.stops), and a job whose processes do not all
     come within the join timeout ends with one line naming the variables that claimed it.
     """
     wait = env.join_timeout or min(JOIN_TIMEOUT, timeout.total_seconds())

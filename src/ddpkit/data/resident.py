@@ -4,7 +4,7 @@ The per-item ``Dataset`` + collate path costs CPU time per sample and a host-to-
 batch; for datasets that fit in device memory (digits, CIFAR, synthetic images, any
 ``TensorDataset``) that leaves a fast GPU mostly idle. Here the data is moved (or generated) on
 the device once; every pass takes this rank's indices from the same
-:class:`~ddpkit.data.ResumableSampler` as the ordinary loader (same ``set_epoch``, same resume
+:class:`~ddpkit.data.loader.ResumableSampler` as the ordinary loader (same ``set_epoch``, same resume
 position, same shards), copies them to the device once per pass, and gathers each batch there.
 Augmentation runs batched on the device (see :class:`ResidentData`).
 
@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 import torch
 from torch.utils.data import TensorDataset
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["ResidentData", "supports_resident", "resident_nbytes", "free_device_bytes",
            "choose_resident", "resident_batches", "batches_in", "describe", "RESIDENT_SHARE"]

@@ -1,4 +1,4 @@
-"""Measuring on this machine what the step-time model (``ddpkit.stepcost``) needs: a model's
+"""Measuring on this machine what the step-time model (``ddpkit.cost.model``) needs: a model's
 gradient buckets as DDP would make them, the compute time of its forward + backward, an
 all-reduce's time, the matmul rate. ``ddpkit plan`` (whose ``.calibrate`` times the job and
 each comm hook on the job's ranks) and ``comm_hook="auto"`` both stand on it.
@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .stepcost import BUCKET_CAP, FIRST_BUCKET, buckets
+from .model import BUCKET_CAP, FIRST_BUCKET, buckets
 
 __all__ = ["Workload", "workload_of", "Timing", "repeat_timing", "measure_compute",
            "measure_flops", "time_allreduce", "sync_device"]

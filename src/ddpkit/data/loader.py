@@ -12,10 +12,10 @@ from typing import Any, Callable, Dict, Iterator, Optional, Union
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from . import probe
-from .env import ClusterEnv
-from .errors import ConfigError
-from .loader_seeds import (EpochTagged, SeededEachSample, SeededSamples, WorkerInit, sample_seed,
+from .. import observe
+from ..env.detect import ClusterEnv
+from ..errors import ConfigError
+from .seeds import (EpochTagged, SeededEachSample, SeededSamples, WorkerInit, sample_seed,
                            worker_seed)
 from .resident import ResidentData, batches_in, choose_resident, resident_batches
 
@@ -171,7 +171,7 @@ class DistributedLoader:
                  loader_kwargs: Dict[str, Any], seed: int, rank: int,
                  resident: Optional[ResidentData] = None) -> None:
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
-        #: The data on the device (:mod:`ddpkit.resident`), or None: the DataLoader path.
+        #: The data on the device (:mod:`ddpkit.data.resident`), or None: the DataLoader path.
         self.resident = resident
         self.loader_kwargs, self.seed, self.rank = loader_kwargs, seed, rank
         self.epoch = -1          # epoch of the pass in progress (or last finished)
@@ -197,12 +197,12 @@ class DistributedLoader:
         self._generator.manual_seed(worker_seed(self.seed, self.rank, 0, self.epoch))
         if self._loader is not None:
             return self._loader
-        # With workers, each batch is drawn from its own seed (see ddpkit.loader_seeds); the
+        # With workers, each batch is drawn from its own seed (see ddpkit.data.seeds); the
         # sampler always runs in this process, so set_epoch reaches it either way, and
         # persistent workers (the default when num_workers > 0) keep serving later epochs.
         # Under ddpkit verify every sample draws from its own seed, so augmentation does not
         # depend on how a batch is split over ranks.
-        verify = probe.active() is not None
+        verify = observe.active() is not None
         tagged = self.loader_kwargs.get("num_workers", 0) > 0 or verify
         n = len(self.dataset)  # type: ignore[arg-type]
         seeded = SeededEachSample if verify else SeededSamples
@@ -233,7 +233,7 @@ class DistributedLoader:
         batches = (resident_batches(self.resident, list(self.sampler), self.batch_size, drop,
                                     self.epoch, self.seed)
                    if self.resident is not None else self._dataloader())
-        watch = probe.active() if self.watched else None
+        watch = observe.active() if self.watched else None
         for batch in batches:
             self.batches_done += 1
             if watch is not None:  # ddpkit verify: which samples, and another reduction order
@@ -245,7 +245,7 @@ class DistributedLoader:
         end = self.batches_done * self.batch_size
         watch.batch(self.sampler.last_indices[end - self.batch_size:end],
                     last=self.batches_done == self.pass_batches)
-        return probe.reverse_batch(batch) if watch.reverse else batch
+        return watch.reorder(batch)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass epoch ``epoch``, from its start; a resume into that same epoch
@@ -349,7 +349,7 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
     """Build the training loader from the *global* batch size (or an explicit per-rank one).
 
     ``resident`` puts the data on ``device`` and gathers each batch there (see
-    :mod:`ddpkit.resident`): ``"auto"`` does so on a GPU when the dataset supports it and fits
+    :mod:`ddpkit.data.resident`): ``"auto"`` does so on a GPU when the dataset supports it and fits
     in a quarter of the free memory, ``True`` always (CPU too), ``False`` never. Resident data
     ignores ``num_workers`` and ``collate_fn``; the sampler, epochs and resume are the same.
 
@@ -361,7 +361,7 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
     per_rank = per_rank_batch or per_rank_batch_size(batch_size, env.world_size)
     if num_workers < 0:
         raise ConfigError(f"number of loader workers must be >= 0, got {num_workers}")
-    watch = probe.active()
+    watch = observe.active()
     watch = watch if watch is not None and watch.claim_loader() else None  # the training data
     micro = watch.accum if watch is not None and env.world_size == 1 else 1
     if micro > 1:  # ddpkit verify --accum-steps: 1 process takes K ranks' batches in turn

@@ -22,9 +22,10 @@ from typing import Any, Dict, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from . import comm
-from .ckpt_write import SaveError, disk_full, no_space, state_bytes
-from .errors import ConfigError
+from .. import comm
+from .names import list_checkpoints
+from .write import SaveError, disk_full, no_space, state_bytes
+from ..errors import ConfigError
 
 __all__ = ["is_sharded", "shards_name", "save_shards", "load_shards", "load_full_state",
            "remove_shards", "consolidate"]
@@ -132,8 +133,6 @@ def _shards_failed(exc: BaseException, directory: Path, tmp: Path, step: int,
     full = disk_full(exc)
     if full is None:
         return
-    from .checkpoint import list_checkpoints  # at call time: checkpoint imports this module
-
     found = list_checkpoints(directory)
     needed = state_bytes(state) * comm.world_size()  # about: every rank holds a like shard
     raise SaveError(no_space(full, f"sharded checkpoint {directory / shards_name(step)}",

@@ -1,7 +1,7 @@
 """Trying comm hooks on real steps: one DDP comm hook that hands each gradient bucket to one of
 several candidate hooks, a few steps each, times the steps, and keeps the fastest.
 
-``comm_hook="auto"`` (``ddpkit.autohook``) uses it when the cost model's best two hooks are close
+``comm_hook="auto"`` (``ddpkit.cost.auto``) uses it when the cost model's best two hooks are close
 enough that the model's error could swap them: a step of the model's choice and of the runner-up
 is measured where it counts, inside the user's own training step (data, forward, backward,
 optimizer), not in isolation.

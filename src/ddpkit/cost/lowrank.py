@@ -31,7 +31,7 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
-from .stepcost import square_side
+from .model import square_side
 
 __all__ = ["BatchedPowerSGD", "batched_powersgd_hook"]
 

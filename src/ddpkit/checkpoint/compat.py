@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["check_compatible", "check_optimizer_compatible"]
 

@@ -1,7 +1,7 @@
 """``comm_hook="auto"``: choose the gradient compression from measurements, not by habit.
 
 At the first training forward of a DDP model, before DDP runs it, every rank measures what the
-step-time model (``ddpkit.stepcost``) needs, on this machine and this link:
+step-time model (``ddpkit.cost.model``) needs, on this machine and this link:
 
 - the forward + backward of the real batch on the local module (run aside: random generators,
   buffers and gradients are put back, so training is the same as without ``auto``);
@@ -11,13 +11,13 @@ step-time model (``ddpkit.stepcost``) needs, on this machine and this link:
   gradient shapes over a process group of one rank and, where short, over the real link (casts
   for bf16; error feedback, P = MQ, orthogonalisation, Q = M^T P and the per-tensor Python work
   for torch's PowerSGD, ranks 4 and 2; the same on one square matrix per bucket for the batched
-  PowerSGD of ``ddpkit.lowrank``, ranks 8 and 4).
+  PowerSGD of ``ddpkit.cost.lowrank``, ranks 8 and 4).
 
 The slowest rank's figures are agreed by all-reduce, so every rank makes the same choice: the
 first of none, bf16, PowerSGD rank 4, rank 2, batched PowerSGD rank 8, rank 4 whose predicted
 step is within 5% (and 1 ms) of the fastest (compression that does not pay is not used; a
 higher rank, and a rank per tensor, are closer to exact). When it compresses and a hook of another kind is
-predicted within 2x of it, both are tried on the first real steps (``ddpkit.hooktrial``: in
+predicted within 2x of it, both are tried on the first real steps (``ddpkit.cost.trial``: in
 turns, twice 1 + 3 steps each) and the faster is kept: the model's error cannot then cost more
 than those steps. Two PowerSGDs are never tried against each other (each keeps an error memory
 that taking turns would leave stale and then drop). The choice and its gain are one line from
@@ -33,9 +33,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .costprobe import time_allreduce, workload_of
-from .hooktrial import HookTrial, dispatch
-from .stepcost import GAIN, Link, fit_link, hook_cost, ring_allreduce_seconds, step_time
+from .measure import time_allreduce, workload_of
+from .trial import HookTrial, dispatch
+from .model import GAIN, Link, fit_link, hook_cost, ring_allreduce_seconds, step_time
 
 __all__ = ["Choice", "choose", "probe_link", "measure_step", "install", "choice_of", "OPTIONS",
            "POWERSGD_RANKS", "BATCHED_RANKS", "FLOOR_S", "time_hooks", "runner_up", "TRIAL_FACTOR"]
@@ -122,7 +122,7 @@ class Choice:
 
 
 def choose(work: Any, link: Link, ranks: int, hook_s: Dict[Tuple[str, int], float]) -> Choice:
-    """The hook for ``work`` (a :class:`ddpkit.costprobe.Workload`) on ``ranks`` ranks over
+    """The hook for ``work`` (a :class:`ddpkit.cost.measure.Workload`) on ``ranks`` ranks over
     ``link``, given each hook's measured compute ``hook_s[(hook, rank)]``; pure.
 
     Example::

@@ -3,14 +3,14 @@
 Kubeflow Trainer's torch runtime sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``,
 ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT`` (the variables torchrun reads as its flags'
 defaults; kubeflow/trainer ``pkg/runtime/framework/plugins/torch/torch.go``); an Indexed Job
-gives ``JOB_COMPLETION_INDEX``. A pure function of a mapping, like :mod:`ddpkit.env`.
+gives ``JOB_COMPLETION_INDEX``. A pure function of a mapping, like :mod:`ddpkit.env.detect`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["PodLaunch", "pod_launch", "PET_VARS"]
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from .errors import ConfigError, JobSetupError
-from .k8s_env import PodLaunch, pod_launch
-from .slurm_env import (first_host, parse_tasks_per_node, port_from_job_id, step_id,
+from ..errors import ConfigError, JobSetupError
+from .k8s import PodLaunch, pod_launch
+from .slurm import (first_host, parse_tasks_per_node, port_from_job_id, step_id,
                         step_tasks_per_node)
 
 __all__ = ["ClusterEnv", "detect", "spawn_env", "to_environ", "JOIN_TIMEOUT_VAR"]
 
 #: Seconds processes that no launcher vouches for wait for each other at start-up (see
-#: :attr:`ClusterEnv.vouched`); ``ddpkit.dist`` uses 60 s (or less, with a shorter timeout).
+#: :attr:`ClusterEnv.vouched`); ``ddpkit.env.dist`` uses 60 s (or less, with a shorter timeout).
 JOIN_TIMEOUT_VAR = "DDPKIT_JOIN_TIMEOUT"
 #: Set by :func:`to_environ` for the ranks of ``ddpkit.launch``: a launcher stands behind them.
 _SPAWNED_VAR = "DDPKIT_SPAWNED"
@@ -58,10 +58,10 @@ class ClusterEnv:
     nodes: Optional[int] = None
     #: False for RANK/WORLD_SIZE that no launcher stands behind (see ``_LAUNCHER_MARKS``): often
     #: left over in a shell, so the processes get a short time to meet, not the collective
-    #: timeout (``ddpkit.dist``). True for anything built by hand (tests, custom launchers).
+    #: timeout (``ddpkit.env.dist``). True for anything built by hand (tests, custom launchers).
     vouched: bool = True
     #: Seconds to wait at start-up for every process to join when not :attr:`vouched`
-    #: (``DDPKIT_JOIN_TIMEOUT``); None: the default of ``ddpkit.dist``.
+    #: (``DDPKIT_JOIN_TIMEOUT``); None: the default of ``ddpkit.env.dist``.
     join_timeout: Optional[float] = None
 
     @property
