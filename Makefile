@@ -2,13 +2,14 @@
 #   make demo   - create .venv, install ddpkit, train on the embedded dataset (one process per
 #                 GPU, or 2 on a CPU machine)
 #   make test   - create .venv, install ddpkit + test tools, run the whole test suite
+#   (make check - the fast subset for the edit-test loop)
 PYTHON ?= python3
 VENV   ?= .venv
 # The CPU build of torch for development and CI; users install ddpkit with any torch >= 2.4.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-gpu test-multinode test-slurm slurm bench bench-quick peers horovod clean
+.PHONY: demo test check test-gpu test-multinode test-slurm slurm bench bench-quick peers horovod clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,13 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed $(VENV)/.horovod slurm
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The edit-test loop (a few minutes on 2 cores): the layering, then every test not marked slow,
+# multinode or gpu; `make test` runs them all, and is what CI runs.
+check: $(VENV)/.installed
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python -m pytest -q -m "not slow and not multinode and not gpu"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Only the tests that need a CUDA GPU (marked `gpu`; `make test` runs them too where CUDA is

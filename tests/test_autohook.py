@@ -138,6 +138,7 @@ if rt.is_main:
 '''
 
 
+@pytest.mark.slow
 def test_auto_on_two_processes_trains_as_without_it_apart_from_the_hook(tmp_path):
     script = tmp_path / "own_loop.py"
     script.write_text(SCRIPT)
@@ -159,6 +160,7 @@ def test_auto_on_two_processes_trains_as_without_it_apart_from_the_hook(tmp_path
         assert auto[:-2] == plain[:-2]
 
 
+@pytest.mark.slow
 def test_ddpkit_train_keeps_the_choice_and_a_resume_reads_its_config_back(tmp_path):
     out = tmp_path / "run"
     proc = _ddpkit("train", "--nproc", "2", "--epochs", "1", "--comm-hook", "auto",
@@ -176,6 +178,7 @@ def test_ddpkit_train_keeps_the_choice_and_a_resume_reads_its_config_back(tmp_pa
     assert "resumed from" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_auto_is_refused_where_there_is_no_ddp_hook():
     proc = _ddpkit("train", "--strategy", "fsdp", "--comm-hook", "auto", "--epochs", "1")
     assert proc.returncode != 0
@@ -232,6 +235,7 @@ with open(f"{sys.argv[1]}/rank{rt.rank}.json", "w") as f:
 '''
 
 
+@pytest.mark.slow
 def test_a_trial_on_real_steps_keeps_the_faster_hook_on_every_rank(tmp_path):
     script = tmp_path / "trial.py"
     script.write_text(TRIAL)

@@ -436,6 +436,7 @@ def test_set_epoch_of_another_epoch_after_a_restore_warns_that_the_position_is_d
         b.set_epoch(3)
 
 
+@pytest.mark.slow
 def test_a_script_with_loader_workers_exits_and_its_workers_leave_the_launchers_group():
     # Workers sit in their own process group (a launcher's SIGTERM to the rank's group must not
     # kill them before the rank saves), yet a script ends as usual: the parent stops them.

@@ -21,6 +21,7 @@ def _ddpkit(*args, timeout=180):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_doctor_on_two_processes_checks_everything_and_plan_reads_its_link(tmp_path):
     report = tmp_path / "doctor.json"
     proc = _ddpkit("doctor", "--nproc", "2", "--max-bytes", "256K", "--output",
@@ -111,6 +112,7 @@ def test_a_link_too_slow_for_the_collective_timeout_is_named_with_its_fix():
     assert largest.verdict == "ok" and "17.6 GB" in largest.detail   # 150 s at 117.5 MB/s
 
 
+@pytest.mark.slow
 def test_doctor_fails_on_two_processes_when_the_model_would_time_out(tmp_path):
     proc = _ddpkit("doctor", "--nproc", "2", "--max-bytes", "64K", "--params", "3000000000",
                    "--timeout-s", "1")

@@ -110,10 +110,3 @@ def test_horovod_outside_horovodrun_refuses_several_processes_and_is_a_no_op_alo
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     assert engine.optimizer(opt, net) is opt
 
-
-def test_the_old_runtime_spellings_still_work_and_say_the_new_one():
-    rt = ddpkit.setup(env=ClusterEnv())
-    with pytest.warns(DeprecationWarning, match="use rt.print0"):
-        rt.print("x")
-    with pytest.warns(DeprecationWarning, match="use rt.gather_object"):
-        assert rt.gather(3) == [3]

@@ -317,6 +317,7 @@ def test_a_step_feeds_metrics_with_its_outputs_and_targets():
     assert got["loss"] == pytest.approx(plain["mse"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_step_feeds_a_torchmetrics_metric():
     torchmetrics = pytest.importorskip("torchmetrics")
     model, data = regressor(), rows(10)

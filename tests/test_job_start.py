@@ -41,6 +41,7 @@ def test_start_from_python_trains_in_this_process(tmp_path, capsys):
     assert list((out / "checkpoints").glob("ckpt-*.pt"))  # stopped by max_steps: work kept
 
 
+@pytest.mark.slow
 def test_the_worker_entry_has_help_and_one_line_errors(tmp_path):
     def worker(*args):
         return subprocess.run([sys.executable, "-m", WORKER, *args], capture_output=True,
@@ -83,6 +84,7 @@ def test_job_nproc_auto_is_one_per_gpu_and_two_on_cpu(monkeypatch):
         job_nproc("two", gpus=0)
 
 
+@pytest.mark.slow
 def test_default_job_saves_the_resolved_process_count(tmp_path):
     # auto on this CPU machine: 2 processes; the run directory records the number, not 'auto'
     assert start(TrainConfig(nproc="auto", epochs=1, max_steps=2, output=str(tmp_path),
@@ -99,6 +101,7 @@ def test_more_processes_than_gpus_under_nccl_is_refused_before_launch(monkeypatc
     assert not (tmp_path / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_cuda_requested_on_a_machine_without_it_is_one_line(tmp_path):
     res = ddpkit("train", "--accelerator", "cuda", "--output", str(tmp_path))
     assert res.returncode != 0
@@ -106,6 +109,7 @@ def test_cuda_requested_on_a_machine_without_it_is_one_line(tmp_path):
                                   "--accelerator cpu (or auto), or check CUDA_VISIBLE_DEVICES")
 
 
+@pytest.mark.slow
 def test_compile_trains_on_cpu_and_checkpoints_clean_names(tmp_path):
     res = ddpkit("train", "--nproc", "1", "--compile", "--epochs", "1", "--max-steps", "3",
                  "--output", str(tmp_path), timeout=300)
@@ -115,6 +119,7 @@ def test_compile_trains_on_cpu_and_checkpoints_clean_names(tmp_path):
     assert list(ckpt["model"])[:2] == ["conv1.weight", "bn1.weight"]
 
 
+@pytest.mark.slow
 def test_compile_without_a_compiler_is_one_line(tmp_path):
     res = ddpkit("train", "--nproc", "1", "--compile", "--output", str(tmp_path),
                  env={"PATH": str(tmp_path)})  # no g++ / clang++ on PATH

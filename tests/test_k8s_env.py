@@ -66,6 +66,7 @@ def test_torchruns_gpu_and_cpu_process_counts():
         resolve_nproc("gpu", cuda_count=0)
 
 
+@pytest.mark.slow
 def test_waiting_for_a_pods_dns_name_says_so_once_then_resolves_or_gives_up():
     answers, said = iter([None, None, "10.4.0.7"]), []
 

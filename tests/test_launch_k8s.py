@@ -125,6 +125,7 @@ def test_bad_input_is_one_line(kw, words):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_the_cli_prints_the_yaml_and_bad_input_is_one_error_line(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "ddpkit", "k8s", "--nodes", "2", "--image",
                          "img:1", "--kind", "trainjob", "train.py", "--lr", "0.1"],

@@ -45,6 +45,7 @@ def test_a_wrong_layout_is_one_error(changes, nnodes, words):
     assert words in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("procid, lines", [("0", 1), ("1", 0)])
 def test_the_cli_says_it_from_the_first_task_only(tmp_path, procid, lines):
     script = tmp_path / "t.py"

@@ -67,6 +67,7 @@ def test_each_module_says_what_it_is_for_and_stays_small(path):
     assert len(path.read_text().splitlines()) <= 420, f"{path.name} is over ~400 lines"
 
 
+@pytest.mark.slow
 def test_the_readme_blocks_made_from_the_code_are_current():
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "readme.py")],
                          capture_output=True, text=True, timeout=120)

@@ -126,6 +126,7 @@ def test_compression_is_recommended_only_when_it_gains_more_than_five_percent():
     assert recommend(close) == {2: ("none", 0.0)}
 
 
+@pytest.mark.slow
 def test_plan_on_the_command_line(tmp_path, capsys):
     report = tmp_path / "plan.json"
     assert main(["plan", "--params", "25e6", "--compute-ms", "200", "--nodes", "1,2", "--repeats", "2",
@@ -289,6 +290,7 @@ def test_one_nodes_rows_are_its_measured_step_and_each_hooks_modelled_difference
                                         if r.hook == "none")
 
 
+@pytest.mark.slow
 def test_nodes_sharing_one_host_are_timed_together(capsys):
     # two nodes that are namespaces (or containers) on this host: their ranks take its cores
     # from each other, so the step is timed on both at once, and the output says so
@@ -303,6 +305,7 @@ def test_nodes_sharing_one_host_are_timed_together(capsys):
                    "give at least 2"], err
 
 
+@pytest.mark.slow
 def test_the_job_is_timed_on_the_nodes_ranks_at_once_and_a_failed_rank_is_named():
     from ddpkit.plan.calibrate import calibrate
 

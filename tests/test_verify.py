@@ -47,6 +47,7 @@ PLANTED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,steps,cause", PLANTED, ids=[p[0][:-3] for p in PLANTED])
 def test_each_planted_bug_is_named(tmp_path, script, steps, cause):
     """The 1- and N-process runs train on to the script's first evaluation (at most 40 more
@@ -67,6 +68,7 @@ def test_each_planted_bug_is_named(tmp_path, script, steps, cause):
     assert verdict.evidence and all(line and "\n" not in line for line in verdict.evidence)
 
 
+@pytest.mark.slow
 def test_an_unseeded_shuffle_is_named_by_the_samples_of_its_second_run(tmp_path):
     """setup(seed=0), but the script's own shuffle draws from a clock-seeded generator: the
     evidence is the samples the forward received in two runs of one process, not a GPU."""
@@ -80,6 +82,7 @@ def test_an_unseeded_shuffle_is_named_by_the_samples_of_its_second_run(tmp_path)
                                             for line in verdict.evidence), verdict.evidence
 
 
+@pytest.mark.slow
 def test_an_unseeded_script_is_named_by_its_second_run(tmp_path):
     proc = _ddpkit("verify", "--steps", "3", os.path.join(BROKEN, "unseeded.py"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -88,6 +91,7 @@ def test_an_unseeded_script_is_named_by_its_second_run(tmp_path):
 
 
 # ---------------------------------------------------------------- passes
+@pytest.mark.slow
 def test_the_readme_example_passes_with_a_table_and_a_json_report(tmp_path):
     report = tmp_path / "verify.json"
     with open(os.path.join(ROOT, "docs", "verify.md")) as f:
@@ -107,6 +111,7 @@ def test_the_readme_example_passes_with_a_table_and_a_json_report(tmp_path):
     assert data["largest"] == max(s["relative"] for s in data["steps"])
 
 
+@pytest.mark.slow
 def test_a_real_shaped_script_passes_with_workers_augmentation_and_mid_training_evaluation():
     """tests/verify_script.py: BatchNorm, augmentation from the global generators in
     __getitem__, 2 DataLoader workers, 1000 samples, clipping imported before setup(), a
@@ -119,6 +124,7 @@ def test_a_real_shaped_script_passes_with_workers_augmentation_and_mid_training_
     assert "PASS" in proc.stdout and "accumulating 2 micro-batches" in proc.stdout
 
 
+@pytest.mark.slow
 def test_augmentation_drawn_in_the_main_process_is_the_same_on_any_number_of_ranks(tmp_path):
     """num_workers=0: __getitem__ draws from the main process's generators; under verify every
     sample draws from its own seed, so 1 process and 2 augment each sample alike."""
@@ -130,6 +136,7 @@ def test_augmentation_drawn_in_the_main_process_is_the_same_on_any_number_of_ran
     assert verdict.passed, verdict.steps
 
 
+@pytest.mark.slow
 def test_noise_drawn_in_the_loop_is_named(tmp_path):
     script, args = os.path.join(ROOT, "tests", "verify_script.py"), ["--loop-noise"]
     one = run_script(script, args, 1, 2, str(tmp_path / "one"), accum=2, timeout=240)
@@ -154,6 +161,7 @@ def _one_error_line(proc):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_script_without_setup_is_one_line(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text("import torch\nm = torch.nn.Linear(2, 1)\n"
@@ -162,18 +170,21 @@ def test_a_script_without_setup_is_one_line(tmp_path):
     assert "never called ddpkit.setup()" in _one_error_line(_ddpkit("verify", str(script)))
 
 
+@pytest.mark.slow
 def test_a_script_that_never_steps_is_one_line(tmp_path):
     script = tmp_path / "eval_only.py"
     script.write_text("import ddpkit\nrt = ddpkit.setup(seed=0)\nprint('evaluated')\n")
     assert "without an optimizer step" in _one_error_line(_ddpkit("verify", str(script)))
 
 
+@pytest.mark.slow
 def test_more_steps_than_an_epoch_is_one_line():
     line = _one_error_line(_ddpkit("verify", "--steps", "40", os.path.join(BROKEN,
                                                                           "batchnorm.py")))
     assert "goes past the script's epoch of 16 optimizer steps" in line and "--steps 16" in line
 
 
+@pytest.mark.slow
 def test_an_optimizer_made_before_setup_under_accum_steps_is_one_line(tmp_path):
     script = tmp_path / "early.py"
     script.write_text(
@@ -187,6 +198,7 @@ def test_an_optimizer_made_before_setup_under_accum_steps_is_one_line(tmp_path):
     assert "create the optimizer after setup()" in line and "error: error" not in line
 
 
+@pytest.mark.slow
 def test_nproc_that_does_not_divide_the_global_batch_is_one_line():
     line = _one_error_line(_ddpkit("verify", "--nproc", "3", "--steps", "2",
                                    os.path.join(BROKEN, "batchnorm.py")))
@@ -281,6 +293,7 @@ def test_bf16_and_fp16_autocast_bound_the_band_by_their_roundings():
     assert verdict.first_divergent == 2 and verdict.ceiling == 8 * 2.0 ** -7
 
 
+@pytest.mark.slow
 def test_the_probe_sees_autocast(tmp_path):
     script = tmp_path / "bf16.py"
     script.write_text(
@@ -313,6 +326,7 @@ def test_the_json_report_is_strict_json_with_nan_losses():
     assert data["steps"][0]["loss_1"] is None and data["steps"][0]["relative"] is None
 
 
+@pytest.mark.slow
 def test_a_run_that_hangs_is_stopped_with_its_ranks_and_one_line(tmp_path):
     from ddpkit.errors import ConfigError
 
@@ -330,6 +344,7 @@ def test_a_run_that_hangs_is_stopped_with_its_ranks_and_one_line(tmp_path):
                 __import__("time").sleep(0.1)
 
 
+@pytest.mark.slow
 def test_the_probe_ends_a_rank_whose_data_loader_workers_are_alive(tmp_path):
     """The recorded run ends by killing its DataLoader workers; the DataLoader's SIGCHLD handler
     must not turn their deaths into "worker killed by signal" (CI saw it once; here the window
@@ -469,6 +484,7 @@ def test_attention_dropout_inside_torch_modules_is_turned_off(monkeypatch):
 WILD = os.path.join(ROOT, "tests", "verify_wild")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["lm_encoder_dropout.py", "nanogpt_sdpa.py"])
 def test_correct_language_models_with_attention_dropout_pass(tmp_path, script):
     """Held-out scripts (tests/verify_wild: written without seeing verify) built on
@@ -483,6 +499,7 @@ def test_correct_language_models_with_attention_dropout_pass(tmp_path, script):
     assert any(note.startswith("dropout off") for note in verdict.notes), verdict.notes
 
 
+@pytest.mark.slow
 def test_a_script_that_hangs_only_on_n_processes_is_a_fail_not_a_usage_error():
     """A collective under `if rank == 0:` (examples/broken/rank0_collective.py): 1 process
     trains, 2 hang (or the launcher reports the stuck rank): a 1-vs-N divergence, exit 1 with

@@ -9,7 +9,6 @@ import atexit
 import contextlib
 import os
 import sys
-import warnings
 import weakref
 from datetime import timedelta
 from typing import Any, Mapping, Optional, Sequence
@@ -173,27 +172,6 @@ class Runtime:
     broadcast_object = staticmethod(comm.broadcast_object)
     main_process_first = staticmethod(comm.main_process_first)
     unwrap = staticmethod(unwrap)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """Deprecated spelling of :meth:`print0`.
-
-        Example::
-
-            rt.print0("done")   # instead of rt.print("done")
-        """
-        warnings.warn("rt.print is deprecated; use rt.print0", DeprecationWarning, stacklevel=2)
-        comm.print0(*args, **kwargs)
-
-    def gather(self, obj: Any) -> list:
-        """Deprecated spelling of :meth:`gather_object`.
-
-        Example::
-
-            sizes = rt.gather_object(len(shard))   # instead of rt.gather(...)
-        """
-        warnings.warn("rt.gather is deprecated; use rt.gather_object", DeprecationWarning,
-                      stacklevel=2)
-        return comm.gather_object(obj)
 
     def shutdown(self) -> None:
         """Leave the job (also done at exit): destroy the process group; under Horovod

@@ -36,7 +36,7 @@ class WrapOptions:
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True
     comm_hook: Optional[str] = None  # fp16 | bf16 | powersgd | powersgd-batched | auto
-    powersgd_rank: Optional[int] = None  # PowerSGD's rank (None: 2, batched 4; stepcost)
+    powersgd_rank: Optional[int] = None  # PowerSGD's rank (None: 2, batched 4; cost.model)
     powersgd_start_iter: int = 10    # plain all-reduce for the first N steps (PowerSGD warm-up)
     compile: bool = False            # torch.compile the wrapped model (see compile_model)
     # fsdp: which submodules are sharded units (classes or a predicate; default: repeated

@@ -77,7 +77,7 @@ def _collective_site(tb: Any) -> "tuple[Optional[str], Optional[str]]":
         return None, None
     frames = traceback.extract_tb(tb)
     torch_dir = os.path.dirname(torch.__file__) + os.sep
-    ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # ddpkit/
     op = None
     for frame in reversed(frames):
         name = frame.name

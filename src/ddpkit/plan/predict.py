@@ -57,7 +57,7 @@ def predict(work: Workload, nodes: Sequence[int], link: Link, per_node: int = 1,
     """Every node count x hook. Ranks on one node talk over ``inside`` (default ``link``);
     across nodes the ring runs at the slower ``link``; ``hook_seconds`` the hooks' own compute
     as :func:`ddpkit.plan.calibrate.calibrate` measured it; ``rank`` PowerSGD's (default: each hook's own,
-    ``stepcost.DEFAULT_RANKS``); ``node_step`` one node's whole step as measured (its ranks'
+    ``cost.model.DEFAULT_RANKS``); ``node_step`` one node's whole step as measured (its ranks'
     all-reduce included): the one-node rows are that, plus each hook's modelled difference.
 
     Example::

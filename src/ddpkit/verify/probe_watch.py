@@ -21,7 +21,7 @@ __all__ = ["first_tensor", "row_digests", "state_digests", "call_site", "watch_c
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
                "reduce_scatter_tensor", "broadcast", "all_gather_object", "barrier")
 _TORCH = os.path.dirname(torch.__file__)
-_DDPKIT = os.path.dirname(os.path.abspath(__file__))
+_DDPKIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # ddpkit/
 _SMALL = 8  # tensors up to this many elements are recorded by value
 
 
