@@ -1,4 +1,5 @@
-"""``ddpkit bench``: the tutorials' DP / DDP / AMP / Horovod table, measured here, honestly.
+"""``ddpkit bench``: the tutorials' DP / DDP / AMP / Horovod table, with ZeRO and FSDP rows,
+measured here, honestly.
 
 Each row runs in fresh worker processes (:mod:`.worker`); rows are interleaved round by round so
 drift is shared (:mod:`.run`); rows and what can run here in :mod:`.rows`; figures, tables and

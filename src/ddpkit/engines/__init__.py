@@ -1,8 +1,9 @@
 """Engines: one object per way of training data-parallel, chosen once by :func:`ddpkit.setup`.
 
-``ddp`` (DistributedDataParallel), ``dp`` (DataParallel), ``horovod`` and ``none`` (no wrapper).
-The rest of ddpkit asks the engine (wrap, optimizer, no_sync, collectives, shutdown) and never
-which engine it is; adding an engine means adding a module here and a line to ``_ENGINES``.
+``ddp`` (DistributedDataParallel), ``fsdp`` (FSDP2, sharded), ``dp`` (DataParallel), ``horovod``
+and ``none`` (no wrapper). The rest of ddpkit asks the engine (wrap, optimizer, no_sync,
+collectives, shutdown) and never which engine it is; adding an engine means adding a module here
+and a line to ``_ENGINES``.
 """
 from __future__ import annotations
 
