@@ -156,8 +156,9 @@ def main():
     p.add_argument("--attempt", type=int, default=None, help="default: the restart count")
     p.add_argument("--fit", action="store_true", help="train with ddpkit.fit instead")
     p.add_argument("--engine", default="auto", help="ddp (auto) or fsdp")
+    p.add_argument("--backend", default=None, help="process group backend (gloo: ranks share a GPU)")
     args = p.parse_args()
-    rt = ddpkit.setup(seed=0, deterministic=True, engine=args.engine)
+    rt = ddpkit.setup(seed=0, deterministic=True, engine=args.engine, backend=args.backend)
     model, steps, evals = (with_fit if args.fit else own_loop)(rt, args)
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
               for p in rt.unwrap(model).parameters()]  # FSDP: every rank gathers the shards

@@ -109,6 +109,8 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
     (["train", "--strategy", "dp", "--nproc", "2"], "use --nproc 1"),
     (["train", "--nproc", "0"], "--nproc (nproc) must be a positive integer or 'auto', got '0'"),
     (["train", "--accelerator", "cuda"], "--accelerator cuda: no CUDA device is visible"),
+    (["run", "--backend", "glo", "examples/train_ddpkit.py"], "--backend 'glo' is not a backend"),
+    (["verify", "--backend", "glo", "examples/train_ddpkit.py"], "--backend 'glo' is not a backend"),
 ])
 def test_bad_input_gives_one_error_line(args, message):
     res = ddpkit(*args, timeout=60)
@@ -127,6 +129,18 @@ def test_busy_master_port_is_reported():
         res = ddpkit("run", "--nproc", "2", "--master-port", str(port), "examples/train_ddpkit.py")
     assert res.returncode == 2
     assert f"master port {port} on 127.0.0.1 is already in use" in res.stderr
+
+
+def test_run_backend_reaches_the_scripts_setup(tmp_path):
+    script = tmp_path / "backend.py"
+    script.write_text("import os, ddpkit\nrt = ddpkit.setup()\n"
+                      "print('rank', rt.rank, rt.backend, os.environ['DDPKIT_BACKEND'])\n")
+    res = ddpkit("run", "--nproc", "2", "--backend", "gloo", str(script))
+    assert res.returncode == 0, res.stderr
+    assert sorted(l for l in res.stdout.splitlines() if l.startswith("rank")) == \
+        ["rank 0 gloo gloo", "rank 1 gloo gloo"]
+    res = ddpkit("run", "--nproc", "2", "--backend", "nccl", str(script))  # on CPU: refused
+    assert res.returncode == 2 and "backend 'nccl' needs CUDA devices" in res.stderr
 
 
 def test_unknown_backend_in_worker_is_one_line(tmp_path):

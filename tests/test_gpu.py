@@ -22,8 +22,8 @@ HERE = os.path.join(ROOT, "tests")
 CUDA0 = torch.device("cuda", 0)
 
 
-def ddpkit(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items()
+def ddpkit(*args, timeout=300, env=None):
+    env = {k: v for k, v in (os.environ if env is None else env).items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -187,3 +187,61 @@ def test_forcing_data_larger_than_the_gpu_is_one_line(tmp_path):
     lines = [l for l in res.stderr.splitlines() if l.startswith("error:")]
     assert len(lines) == 1 and "device-resident data needs" in lines[0], res.stderr
     assert "--device-data off" in lines[0]
+
+
+# ----------------------------------------------------------------------------- a user's own loop
+
+OWN_LOOP = {  # tests/own_loop_script.py: augmentation from the global RNGs, 2 DataLoader workers
+    "own-workers2-eval": ["--workers", "2", "--eval-every", "4"],
+    "fit-workers2": ["--fit", "--workers", "2"],
+    "own-fsdp": ["--engine", "fsdp", "--workers", "2"],
+}
+
+
+def own_loop(out, nproc, backend, flags, restarts=0, env=None):
+    os.makedirs(out, exist_ok=True)
+    extra = ["--backend", backend] if backend else []
+    return ddpkit("run", "--nproc", str(nproc), "--max-restarts", str(restarts),
+                  os.path.join(HERE, "own_loop_script.py"), "--out", str(out), *extra, *flags,
+                  env=env)
+
+
+@pytest.mark.parametrize("nproc,backend", [(1, None), (2, "gloo")])
+@pytest.mark.parametrize("name", list(OWN_LOOP))
+def test_own_loop_kill_9_on_cuda_resumes_bitwise(tmp_path, name, nproc, backend):
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    ok(own_loop(ref, nproc, backend, OWN_LOOP[name]))
+    res = ok(own_loop(killed, nproc, backend, [*OWN_LOOP[name], "--kill-rank", str(nproc - 1),
+                                               "--kill-step", "7"], restarts=1))
+    assert "resumed from" in res.stdout + res.stderr
+    a = torch.load(ref / "final.pt", weights_only=True)
+    b = torch.load(killed / "final.pt", weights_only=True)
+    assert a["step"] == b["step"] > 7
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+def test_own_loop_gpu_checkpoint_resumes_on_the_cpu(tmp_path):
+    flags = OWN_LOOP["own-workers2-eval"]
+    res = own_loop(tmp_path, 2, "gloo", [*flags, "--kill-rank", "1", "--kill-step", "7"])
+    assert res.returncode != 0  # killed, no restart: the checkpoints are the GPU run's
+    cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    res = ok(own_loop(tmp_path, 2, None, [*flags, "--attempt", "1"], env=cpu))
+    assert "resumed from" in res.stdout + res.stderr
+    assert torch.load(tmp_path / "final.pt", weights_only=True)["step"] > 7
+
+
+# ----------------------------------------------------------------------------- verify, run
+
+def test_run_backend_gloo_shares_the_gpu(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text("import ddpkit\nrt = ddpkit.setup()\n"
+                      "print('rank', rt.rank, rt.backend, rt.device)\n")
+    res = ok(ddpkit("run", "--nproc", "2", "--backend", "gloo", str(script)))
+    assert sorted(l for l in res.stdout.splitlines() if l.startswith("rank")) == \
+        ["rank 0 gloo cuda:0", "rank 1 gloo cuda:0"]
+
+
+def test_verify_passes_the_readme_example_on_the_gpu(tmp_path):
+    res = ok(ddpkit("verify", "--backend", "gloo", "--json", str(tmp_path / "v.json"),
+                    "examples/train_ddpkit.py", timeout=600))
+    assert "PASS" in res.stdout, res.stdout[-3000:]

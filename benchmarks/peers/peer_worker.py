@@ -1,7 +1,9 @@
 """One rank of one or several peers' training loops, started by torchrun from run_peers.py.
 
 Four loops over the same model, data, per-rank batch and threads; rank 0 writes every rank's
-step times to --result. Each step is timed from fetching the batch to optimizer.step returning.
+step times to --result. Each step is timed from fetching the batch to optimizer.step returning
+(on CUDA, to the device finishing it: the step ends with a synchronize in every peer alike).
+``--device cuda`` puts every peer on the rank's GPU (NCCL; batches copied from a CPU loader).
 With several peers (``--peer handwritten,ddpkit``) every loop is built in this one job, each with
 its own model, optimizer and loader, and their steps alternate (A B A B, order rotated every
 step): drift of the machine then hits all of them within seconds of each other.
@@ -42,6 +44,16 @@ def _epochs(make_pass: Callable[[int], Iterator[Any]]) -> Iterator[Any]:
         epoch += 1
 
 
+def _cuda(args: argparse.Namespace) -> bool:
+    return args.device == "cuda"
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    if _cuda(args):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def _mark(marks: Optional[List[float]]) -> None:
     """Phase boundary inside a step (after data, forward, backward), for components.py."""
     if marks is not None:
@@ -51,9 +63,13 @@ def _mark(marks: Optional[List[float]]) -> None:
 def handwritten(args: argparse.Namespace,
                 marks: Optional[List[float]] = None) -> Callable[[], None]:
     """The tutorials' DDP loop in plain PyTorch: init_process_group, DDP, DistributedSampler."""
+    device = _device(args)
+    if _cuda(args):
+        torch.cuda.set_device(device)
     if not dist.is_initialized():  # (interleaved with other peers, one of them may have)
-        dist.init_process_group("gloo")  # env:// from torchrun
-    model = nn.parallel.DistributedDataParallel(_model(args))
+        dist.init_process_group("nccl" if _cuda(args) else "gloo")  # env:// from torchrun
+    model = nn.parallel.DistributedDataParallel(
+        _model(args).to(device), device_ids=[device.index] if _cuda(args) else None)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     data = _data(args)
     sampler = DistributedSampler(data, shuffle=True, seed=SEED, drop_last=True)
@@ -65,7 +81,7 @@ def handwritten(args: argparse.Namespace,
     batches = _epochs(one_pass)
 
     def step() -> None:
-        x, y = next(batches)
+        x, y = (t.to(device, non_blocking=True) for t in next(batches))
         _mark(marks)
         loss = nn.functional.cross_entropy(model(x), y)
         _mark(marks)
@@ -80,7 +96,7 @@ def ddpkit_loop(args: argparse.Namespace, marks: Optional[List[float]] = None,
                 **wrap_options: Any) -> Callable[[], None]:
     """The ddpkit path users write: setup, rt.wrap, rt.loader, Accumulator, Precision."""
     import ddpkit
-    rt = ddpkit.setup(seed=SEED)
+    rt = ddpkit.setup(seed=SEED, accelerator=args.device)
     torch.set_num_threads(args.threads)  # setup() may have chosen threads; the peers must match
     model = rt.wrap(_model(args), **wrap_options)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -102,9 +118,9 @@ def ddpkit_loop(args: argparse.Namespace, marks: Optional[List[float]] = None,
 
 
 def accelerate_loop(args: argparse.Namespace) -> Callable[[], None]:
-    """Hugging Face Accelerate: Accelerator(cpu=True), prepare(), accelerator.backward."""
+    """Hugging Face Accelerate: Accelerator(cpu=...), prepare(), accelerator.backward."""
     from accelerate import Accelerator
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=not _cuda(args))
     torch.set_num_threads(args.threads)
     model = _model(args)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -126,9 +142,9 @@ def accelerate_loop(args: argparse.Namespace) -> Callable[[], None]:
 
 
 def fabric_loop(args: argparse.Namespace) -> Callable[[], None]:
-    """Lightning Fabric: Fabric(accelerator='cpu', strategy='ddp'), setup, fabric.backward."""
+    """Lightning Fabric: Fabric(accelerator=cpu|cuda, strategy='ddp'), setup, fabric.backward."""
     from lightning.fabric import Fabric
-    fabric = Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp")
+    fabric = Fabric(accelerator=args.device, devices=int(os.environ["WORLD_SIZE"]), strategy="ddp")
     fabric.launch()  # under torchrun the processes exist: this only connects them
     torch.set_num_threads(args.threads)
     model = _model(args)
@@ -161,7 +177,8 @@ PEERS: Dict[str, Callable[[argparse.Namespace], Callable[[], None]]] = {
 
 
 def _timed(steps_by_peer: Dict[str, Callable[[], None]], warmup: int,
-           steps: int) -> Dict[str, Dict[str, List[float]]]:
+           steps: int, sync: Callable[[], None] = lambda: None
+           ) -> Dict[str, Dict[str, List[float]]]:
     """Wall and CPU seconds per step, warm-up excluded. With several peers their steps alternate:
     warm-up each, then A B C, B C A, ... (same order on all ranks, so their collectives match).
     CPU: the work is done when optimizer.step returns."""
@@ -174,6 +191,7 @@ def _timed(steps_by_peer: Dict[str, Callable[[], None]], warmup: int,
         for name in names[i % len(names):] + names[:i % len(names)]:
             start, start_cpu = time.perf_counter(), time.process_time()
             steps_by_peer[name]()
+            sync()
             out[name]["step_s"].append(time.perf_counter() - start)
             out[name]["cpu_s"].append(time.process_time() - start_cpu)
     return out
@@ -187,6 +205,7 @@ def main() -> None:
                           ("--epoch-size", 50_000)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--model", default="resnet18")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--result", required=True)
     args = p.parse_args()
     names = args.peer.split(",")
@@ -198,7 +217,8 @@ def main() -> None:
     for name in names:
         steps[name] = PEERS[name](args)
         torch.set_num_threads(args.threads)  # again: a framework may have changed it on set-up
-    timed = _timed(steps, args.warmup, args.steps)
+    timed = _timed(steps, args.warmup, args.steps,
+                   torch.cuda.synchronize if _cuda(args) else (lambda: None))
     extra = {"threads": torch.get_num_threads(),
              "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     ranks: List[Any] = [None] * dist.get_world_size()

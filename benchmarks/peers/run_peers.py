@@ -54,7 +54,7 @@ def run_once(peer: str, args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
                "--nproc-per-node", str(args.nproc), os.path.join(HERE, "peer_worker.py"),
                "--peer", peer, "--batch", str(args.batch), "--threads", str(args.threads),
                "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--model", args.model, "--result", result]
+               "--model", args.model, "--device", args.device, "--result", result]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # torchrun would force 1
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
@@ -201,6 +201,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                           ("--steps", 4), ("--warmup", 1), ("--timeout", 900)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--model", default="resnet18")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: every peer on the rank's GPU (NCCL), one rank per GPU")
     p.add_argument("--interleave", action="store_true",
                    help="one job per round, the peers' steps alternating (A B A B)")
     p.add_argument("--output", default="peers-out")
@@ -225,11 +227,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     env = environment({"model": args.model, "batch_per_rank": args.batch, "nproc": args.nproc,
                        "threads_per_process": args.threads, "steps": args.steps,
                        "warmup": args.warmup, "rounds": args.rounds, "loader_workers": 0,
-                       "interleave": args.interleave,
+                       "interleave": args.interleave, "device": args.device,
                        "seconds": round(time.perf_counter() - started, 1)})
     with open(os.path.join(args.output, "peers.md"), "w") as f:
-        f.write(f"# Peers: {args.model}, per-rank batch {args.batch}, {args.nproc} processes x "
-                f"{args.threads} thread(s)\n\n{text}\nCommand: `{env['command']}`\n")
+        f.write(f"# Peers: {args.model} on {args.device}, per-rank batch {args.batch}, "
+                f"{args.nproc} processes x {args.threads} thread(s)\n\n{text}\nCommand: `{env['command']}`\n")
     with open(os.path.join(args.output, "peers.json"), "w") as f:
         json.dump({"environment": env, "summary": rows, "raw": results}, f, indent=1)
     return 0

@@ -22,7 +22,7 @@ from .data.batches import to_device
 from .faults.crash import install_error_hook
 from .data.loader import DistributedLoader, make_loader
 from .env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
-from .env.detect import ClusterEnv
+from .env.detect import BACKEND_VAR, ClusterEnv
 from .evaluate import evaluate
 from .faults.hangs import Progress
 from .checkpoint.checkpointer import Checkpointer
@@ -211,7 +211,8 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     """Detect the launcher, pick the device, create the process group: the first ddpkit line.
 
     Works unchanged under torchrun / ``ddpkit run``, Slurm ``srun``, :func:`ddpkit.launch` and a
-    plain ``python script.py`` (one process, no process group). Idempotent. ``engine`` is
+    plain ``python script.py`` (one process, no process group). Idempotent. ``backend`` defaults to
+    ``DDPKIT_BACKEND`` (``ddpkit run --backend``), else NCCL on GPUs and gloo on CPUs. ``engine`` is
     ``auto`` (Horovod under ``horovodrun``, else DDP), ``ddp``, ``dp``, ``horovod`` or ``none``:
     see :mod:`ddpkit.engines`.
 
@@ -229,6 +230,7 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
         stops.install()  # a rank of a job; one process (a script, a notebook) keeps Ctrl-C as is
     install_error_hook(env.rank, stops=stops)  # before init: a bad backend is one line as well
     comm.install_rank_warnings(env.rank)
+    backend = backend or os.environ.get(BACKEND_VAR) or None  # `ddpkit run --backend`
     device = select_device(env, accelerator, backend=backend)
     threads = cpu_threads_per_process(env) if device.type == "cpu" else None
     if threads:

@@ -8,10 +8,12 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
+from ..env.detect import BACKEND_VAR
+from ..env.dist import BACKENDS
 from ..env.k8s import pod_launch
 from ..launch.torchrun import RunConfig
 
-__all__ = ["add_launch_flags", "run_config", "parse_nnodes", "from_pod"]
+__all__ = ["add_launch_flags", "pass_backend", "run_config", "parse_nnodes", "from_pod"]
 
 # (flags, argparse keywords): the RunConfig field is the dest.
 _LAUNCH_FLAGS = (
@@ -62,6 +64,21 @@ def add_launch_flags(parser: argparse.ArgumentParser,
     for (flags, kwargs), name in zip(_LAUNCH_FLAGS, _FIELDS):
         if only is None or name in only:
             group.add_argument(*flags, **kwargs)
+
+
+def pass_backend(backend: Optional[str]) -> None:
+    """Hand ``--backend`` to the ranks' ``ddpkit.setup()`` through the environment they inherit
+    (``DDPKIT_BACKEND``); None leaves it as it is. An unknown name is one line here, before launch.
+
+    Example::
+
+        pass_backend("gloo")   # 2 ranks of `ddpkit run --nproc 2` share one GPU
+    """
+    if backend:
+        if backend not in BACKENDS:
+            raise ConfigError(f"--backend {backend!r} is not a backend; use one of "
+                              f"{', '.join(BACKENDS)}, or leave it out for the automatic choice")
+        os.environ[BACKEND_VAR] = backend
 
 
 def run_config(ns: argparse.Namespace, script: str, script_args: Optional[List[str]] = None,

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import argparse
 
-from .flags import add_launch_flags, run_config
+from .flags import add_launch_flags, pass_backend, run_config
 
 __all__ = ["add_parser"]
+
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "elastic agent. On one node a free port is picked.")
     p.add_argument("--nproc", default=None,
                    help="processes per node, or 'auto' (default 1, or a pod's PET_NPROC_PER_NODE)")
+    p.add_argument("--backend", default=None,
+                   help="process group backend of the script's ddpkit.setup() (default: nccl on "
+                        "GPUs, gloo on CPUs; gloo lets several processes share one GPU)")
     add_launch_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", nargs="?", help="the training script (or module with -m)")
@@ -34,4 +38,5 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if not ns.script:
         raise ConfigError("a script is required: ddpkit run [--nproc N] SCRIPT [ARGS...]")
 
+    pass_backend(ns.backend)
     return run(run_config(ns, ns.script, ns.script_args, nproc=ns.nproc, module=ns.module))

@@ -34,6 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=900, metavar="S",
                    help="stop a run (and its ranks) still going after S s (default 900)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    p.add_argument("--backend", default=None,
+                   help="the script's process group backend (gloo: N processes share a GPU)")
     p.add_argument("script", nargs="?", help="the script (it calls ddpkit.setup())")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_verify)
@@ -43,11 +45,13 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..verify import verify
     from ..verify.report import as_json, summary, table
+    from .flags import pass_backend
 
     if not ns.script:
         raise ConfigError("a script is required: ddpkit verify [--nproc N] [--steps S] "
                           "[--accum-steps K] SCRIPT [ARGS...]")
     _check_script(ns.script)
+    pass_backend(ns.backend)
     if ns.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
     verdict = verify(ns.script, ns.script_args, ns.nproc, ns.steps, timeout=ns.timeout,
