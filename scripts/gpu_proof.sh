@@ -16,9 +16,10 @@ set -u
 OUT=${OUT:-$PWD/gpu-proof}
 mkdir -p "$OUT"
 STEPS=${*:-env device_data peers demo tests}
-VENV=${VENV:-/tmp/venv}
-[ -x "$VENV/bin/python" ] || bash scripts/device_env.sh "$VENV" >/tmp/gpu-proof-setup.log 2>&1
-PY="$VENV/bin/python"
+# The machine's python3 holds PyTorch (itself a venv: a venv made from it would not see its
+# packages); ddpkit comes from src/.
+PY=${PY:-python3}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 summary=()
 
@@ -37,7 +38,7 @@ step() {  # step NAME SECONDS COMMAND...: run bounded, log to $OUT/NAME.log, rec
     tail -n 25 "$OUT/$name.log"
 }
 
-step env 40 bash -c "cat /tmp/gpu-proof-setup.log; nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total \
+step env 40 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total \
     --format=csv; $PY -c 'import torch, sys; print(\"python\", sys.version.split()[0], \"torch\", \
     torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0))'; \
     $PY -c 'import accelerate, lightning; print(\"accelerate\", accelerate.__version__, \
@@ -46,9 +47,9 @@ step device_data 110 "$PY" benchmarks/device_data.py --rounds 3 --skip-cpu-loade
     --json "$OUT/device_data.json"
 step peers 110 "$PY" benchmarks/peers/run_peers.py --device cuda --nproc 1 --interleave \
     --rounds 3 --steps 40 --warmup 5 --batch 128 --timeout 100 --output /tmp/gpu-proof-peers \
-    --peers handwritten,ddpkit,accelerate,fabric,handwritten-copy
+    --peers handwritten,ddpkit,ddpkit-dataloader,accelerate,fabric,handwritten-copy
 cp /tmp/gpu-proof-peers/peers.md "$OUT/" 2>/dev/null
-step demo 60 "$VENV/bin/ddpkit" train --output /tmp/gpu-proof-demo
+step demo 60 "$PY" -m ddpkit train --output /tmp/gpu-proof-demo
 step tests 220 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 6 --durations=15 tests/test_gpu.py
 
 echo

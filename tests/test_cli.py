@@ -143,6 +143,23 @@ def test_run_backend_reaches_the_scripts_setup(tmp_path):
     assert res.returncode == 2 and "backend 'nccl' needs CUDA devices" in res.stderr
 
 
+def test_two_jobs_on_one_machine_at_once(tmp_path):
+    # torchrun's static store port (29500) would let only one of them start
+    script = tmp_path / "meet.py"
+    script.write_text("import time, torch, torch.distributed as dist, ddpkit\n"
+                      "rt = ddpkit.setup()\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                      "time.sleep(3)\nprint('sum', t.item())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                             "MASTER_ADDR", "MASTER_PORT")}
+    jobs = [subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    for job in jobs:
+        out, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err[-2000:]
+        assert out.count("sum 2.0") == 2
+
+
 def test_unknown_backend_in_worker_is_one_line(tmp_path):
     script = tmp_path / "backend.py"
     script.write_text("import ddpkit\nddpkit.setup(backend='nccl')\n")

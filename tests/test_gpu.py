@@ -86,15 +86,16 @@ def test_two_processes_under_nccl_on_one_gpu_is_one_line(tmp_path):
                      "processes share a GPU (for testing, not speed)"], res.stderr
 
 
-def test_nccl_at_world_size_one(tmp_path):
-    script = tmp_path / "nccl1.py"
+def test_one_process_is_on_the_gpu_without_a_process_group(tmp_path):
+    # as Accelerate and Fabric do for one device; ddpkit's own collectives are no-ops there
+    script = tmp_path / "one.py"
     script.write_text("import torch, torch.distributed as dist, ddpkit\n"
                       "rt = ddpkit.setup()\n"
-                      "t = torch.ones(3, device=rt.device)\n"
-                      "dist.all_reduce(t)\n"
-                      "print('backend', rt.backend, rt.device, t.tolist())\n")
+                      "m = rt.wrap(torch.nn.Linear(2, 2))\n"
+                      "print('one', rt.backend, rt.device, dist.is_initialized(),\n"
+                      "      next(m.parameters()).device)\n")
     res = ok(ddpkit("run", "--nproc", "1", str(script)))
-    assert "backend nccl cuda:0 [1.0, 1.0, 1.0]" in res.stdout
+    assert "one None cuda:0 False cuda:0" in res.stdout
 
 
 def test_data_parallel_strategy(tmp_path):

@@ -93,7 +93,7 @@ def handwritten(args: argparse.Namespace,
 
 
 def ddpkit_loop(args: argparse.Namespace, marks: Optional[List[float]] = None,
-                **wrap_options: Any) -> Callable[[], None]:
+                resident: Any = "auto", **wrap_options: Any) -> Callable[[], None]:
     """The ddpkit path users write: setup, rt.wrap, rt.loader, Accumulator, Precision."""
     import ddpkit
     rt = ddpkit.setup(seed=SEED, accelerator=args.device)
@@ -101,7 +101,7 @@ def ddpkit_loop(args: argparse.Namespace, marks: Optional[List[float]] = None,
     model = rt.wrap(_model(args), **wrap_options)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     loader = rt.loader(_data(args), batch_size=args.batch * rt.world_size, seed=SEED,
-                       drop_last=True)
+                       drop_last=True, resident=resident)
     acc = ddpkit.Accumulator(model, opt, ddpkit.Precision("fp32", rt.device))
     batches = _epochs(lambda epoch: iter(loader))  # the loader calls set_epoch itself
 
@@ -168,9 +168,17 @@ def ddpkit_no_bucket_view(args: argparse.Namespace) -> Callable[[], None]:
     return ddpkit_loop(args, gradient_as_bucket_view=False)
 
 
+def ddpkit_dataloader(args: argparse.Namespace) -> Callable[[], None]:
+    """ddpkit with ``rt.loader(resident=False)``: a torch DataLoader feeding batches from host
+    memory, as the other peers do (on a GPU, ``rt.loader`` by default keeps data that fits there
+    and gathers batches on the device: a different data path, not a different step)."""
+    return ddpkit_loop(args, resident=False)
+
+
 PEERS: Dict[str, Callable[[argparse.Namespace], Callable[[], None]]] = {
     "handwritten": handwritten, "ddpkit": ddpkit_loop, "accelerate": accelerate_loop,
     "fabric": fabric_loop, "ddpkit-nobv": ddpkit_no_bucket_view,
+    "ddpkit-dataloader": ddpkit_dataloader,
     # A/A control: a second, identical hand-written loop. Its ratio to "handwritten" is the
     # measurement's own noise floor, the yardstick for any other peer's difference.
     "handwritten-copy": handwritten}

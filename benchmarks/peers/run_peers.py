@@ -27,8 +27,10 @@ from ddpkit.bench.report import cpu_share, median, percentile, repeat_figures
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ("handwritten", "ddpkit", "accelerate", "fabric")
 #: Not in the default set: ddpkit with DDP's default gradient_as_bucket_view=False (diagnostic),
-#: and a second identical hand-written loop (A/A control: the noise floor of the ratios).
-EXTRA_PEERS = ("ddpkit-nobv", "handwritten-copy")
+#: a second identical hand-written loop (A/A control: the noise floor of the ratios), and ddpkit
+#: fed by a DataLoader from host memory like the others (on a GPU its default keeps the data
+#: on the device).
+EXTRA_PEERS = ("ddpkit-nobv", "handwritten-copy", "ddpkit-dataloader")
 ALL_PEERS = PEERS + EXTRA_PEERS
 NEEDS = {"accelerate": ("accelerate", "pip install accelerate"),
          "fabric": ("lightning", "pip install lightning")}

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -295,6 +296,10 @@ def run(cfg: RunConfig) -> int:
     from torch.distributed.run import run as torchrun
 
     nproc = _validate(cfg)
+    if cfg.nnodes <= 1 and not (cfg.elastic or cfg.rdzv_endpoint or cfg.master_addr
+                                or cfg.master_port is not None):
+        # torchrun's default store port, 29500, would collide with another job on this machine
+        cfg = dataclasses.replace(cfg, master_port=net.free_port())
     extra, plan = _network(cfg)
     _child_environment(nproc, plan.iface)
     previous_endpoint = os.environ.pop(RDZV_ENDPOINT_VAR, None)  # not an outer job's
