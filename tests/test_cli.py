@@ -133,8 +133,9 @@ def test_busy_master_port_is_reported():
 
 def test_run_backend_reaches_the_scripts_setup(tmp_path):
     script = tmp_path / "backend.py"
-    script.write_text("import os, ddpkit\nrt = ddpkit.setup()\n"
-                      "print('rank', rt.rank, rt.backend, os.environ['DDPKIT_BACKEND'])\n")
+    script.write_text("import os, ddpkit\nrt = ddpkit.setup()\n"  # one write: ranks share stdout
+                      "os.write(1, f'rank {rt.rank} {rt.backend} {os.environ[\"DDPKIT_BACKEND\"]}\\n'"
+                      ".encode())\n")
     res = ddpkit("run", "--nproc", "2", "--backend", "gloo", str(script))
     assert res.returncode == 0, res.stderr
     assert sorted(l for l in res.stdout.splitlines() if l.startswith("rank")) == \
@@ -148,7 +149,7 @@ def test_two_jobs_on_one_machine_at_once(tmp_path):
     script = tmp_path / "meet.py"
     script.write_text("import time, torch, torch.distributed as dist, ddpkit\n"
                       "rt = ddpkit.setup()\nt = torch.ones(1)\ndist.all_reduce(t)\n"
-                      "time.sleep(3)\nprint('sum', t.item())\n")
+                      "time.sleep(3)\nif rt.rank == 0:\n    print('sum', t.item())\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                              "MASTER_ADDR", "MASTER_PORT")}
     jobs = [subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
@@ -157,7 +158,7 @@ def test_two_jobs_on_one_machine_at_once(tmp_path):
     for job in jobs:
         out, err = job.communicate(timeout=120)
         assert job.returncode == 0, err[-2000:]
-        assert out.count("sum 2.0") == 2
+        assert "sum 2.0" in out
 
 
 def test_unknown_backend_in_worker_is_one_line(tmp_path):

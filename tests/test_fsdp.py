@@ -44,6 +44,17 @@ def test_shard_units_are_the_repeated_blocks():
     assert shard_units(gpt, units=[nn.LayerNorm])[0] is gpt.blocks[0].ln1
 
 
+def test_fsdp_over_gloo_on_gpus_is_refused_before_the_group():
+    # On an H100 (torch 2.11) 2 ranks sharing the GPU over gloo died by SIGSEGV under FSDP
+    from datetime import timedelta
+
+    from ddpkit.engines.fsdp import FSDPEngine
+    from ddpkit.env.detect import ClusterEnv
+    env = ClusterEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
+    with pytest.raises(ConfigError, match="FSDP on GPUs needs NCCL"):
+        FSDPEngine().start(env, torch.device("cuda", 0), "gloo", None, timedelta(seconds=5))
+
+
 def test_fsdp_trains_like_ddp_and_one_process(tmp_path, fsdp_reference):
     ddp = train(2, tmp_path / "ddp", "ddp")
     one = train(1, tmp_path / "one", "ddp")

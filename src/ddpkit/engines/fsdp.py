@@ -6,12 +6,14 @@ forward and backward and its gradients reduce-scattered. Checkpoints are sharded
 from __future__ import annotations
 
 import contextlib
+from datetime import timedelta
 from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..env.detect import ClusterEnv
+from ..env.dist import resolve_backend
 from ..errors import ConfigError
 from ..wrap import WrapOptions
 from .base import Engine
@@ -78,6 +80,17 @@ class FSDPEngine(Engine):
             return (f"FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6; this is "
                     f"{torch.__version__}: pip install -U torch, or use --strategy ddp")
         return None
+
+    def start(self, env: ClusterEnv, device: torch.device, backend: Optional[str],
+              init_method: Optional[str], timeout: timedelta) -> Optional[str]:
+        # Seen on an H100 (torch 2.11): fully_shard over gloo with CUDA tensors dies by SIGSEGV
+        # in its first collective (pytorch/pytorch#132471). One line before the group instead.
+        if env.is_distributed and device.type == "cuda" and \
+                resolve_backend(backend, device) == "gloo":
+            raise ConfigError("FSDP on GPUs needs NCCL: gloo cannot run its collectives on CUDA "
+                              "tensors (the ranks crash); use one process per GPU without "
+                              "--backend gloo, or --accelerator cpu to try FSDP on one machine")
+        return super().start(env, device, backend, init_method, timeout)
 
     def check_options(self, options: WrapOptions) -> None:
         if options.sync_bn:
