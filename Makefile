@@ -63,7 +63,7 @@ test-slurm: $(VENV)/.installed slurm
 	$(BIN)/python -m pytest -q tests/test_slurm.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# Horovod 0.28.1 built from source against this torch (the optional `--strategy horovod` engine
+# Horovod 0.28.1 built from source against this torch (the optional `--engine horovod`
 # and the bench's horovod row): ~4-7 min the first time, then the wheel cached in
 # ~/.cache/ddpkit is reused. In CI (CI=true) a failed build fails; elsewhere it only warns and
 # the Horovod tests skip with the reason.

@@ -180,7 +180,7 @@ def test_ddpkit_train_keeps_the_choice_and_a_resume_reads_its_config_back(tmp_pa
 
 @pytest.mark.slow
 def test_auto_is_refused_where_there_is_no_ddp_hook():
-    proc = _ddpkit("train", "--strategy", "fsdp", "--comm-hook", "auto", "--epochs", "1")
+    proc = _ddpkit("train", "--engine", "fsdp", "--comm-hook", "auto", "--epochs", "1")
     assert proc.returncode != 0
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and "--comm-hook" in err[0], proc.stderr

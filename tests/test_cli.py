@@ -106,7 +106,7 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
      "use --synthetic-samples 2 or more, or --nproc 1"),
     (["train", "--precision", "fp16"], "fp16 needs a CUDA device"),
     (["train", "--sync-bn"], "--sync-bn needs GPUs"),
-    (["train", "--strategy", "dp", "--nproc", "2"], "use --nproc 1"),
+    (["train", "--engine", "dp", "--nproc", "2"], "use --nproc 1"),
     (["train", "--nproc", "0"], "--nproc (nproc) must be a positive integer or 'auto', got '0'"),
     (["train", "--accelerator", "cuda"], "--accelerator cuda: no CUDA device is visible"),
     (["run", "--backend", "glo", "examples/train_ddpkit.py"], "--backend 'glo' is not a backend"),

@@ -17,13 +17,16 @@ from ddpkit.engines.dp import DPEngine
 from ddpkit.engines.fsdp import FSDPEngine
 from ddpkit.engines.horovod import HorovodEngine
 from ddpkit.env.detect import ClusterEnv
-from ddpkit.errors import DDPKitError
+from ddpkit.cli import build_parser
+from ddpkit.cli.train import resolve
+from ddpkit.errors import ConfigError
+from ddpkit.job.config import config_from_dict
 from ddpkit.wrap import WrapOptions
 
 
-def test_one_engine_per_strategy_with_its_name():
-    assert engines.STRATEGIES == ("ddp", "fsdp", "dp", "horovod", "none")
-    for name, cls in zip(engines.STRATEGIES, (DDPEngine, FSDPEngine, DPEngine, HorovodEngine,
+def test_one_engine_per_name():
+    assert engines.ENGINES == ("ddp", "fsdp", "dp", "horovod", "none")
+    for name, cls in zip(engines.ENGINES, (DDPEngine, FSDPEngine, DPEngine, HorovodEngine,
                                               Engine)):
         engine = engines.create(name)
         assert type(engine) is cls and engine.name == name
@@ -34,14 +37,37 @@ def test_setup_keeps_the_chosen_engine_on_the_runtime():
     assert rt.engine.name == "none" and "engine=none" in repr(rt)
     assert ddpkit.setup(env=ClusterEnv()).engine.name == "ddp"       # auto, not under horovodrun
     assert ddpkit.setup(env=ClusterEnv(), engine="torch").engine.name == "ddp"  # the old name
-    with pytest.raises(DDPKitError, match="unknown engine 'deepspeed'; choose auto, ddp, fsdp, dp, "
-                                          "horovod, none"):
+    with pytest.raises(ConfigError, match="unknown engine 'deepspeed'; choose one of auto, ddp, "
+                                          "fsdp, dp, horovod, none"):
         ddpkit.setup(env=ClusterEnv(), engine="deepspeed")
 
 
-def test_a_strategy_in_wrap_wraps_that_model_only_and_ddp_under_horovod_stays_horovod():
+def test_an_unknown_engine_is_the_same_error_from_every_entry_point(capsys):
     rt = ddpkit.setup(env=ClusterEnv())
-    with pytest.warns(UserWarning, match="strategy 'dp' needs CUDA"):
+    with pytest.raises(ConfigError, match="^unknown engine 'deepspeed'; choose one of ddp, "):
+        rt.wrap(nn.Linear(2, 2), engine="deepspeed")
+    with pytest.raises(ConfigError, match="^config key 'engine' must be one of ddp, fsdp"):
+        config_from_dict({"engine": "deepspeed"})
+    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'deepspeed'", exit 2
+        build_parser().parse_args(["train", "--engine", "deepspeed"])
+    assert "invalid choice: 'deepspeed'" in capsys.readouterr().err
+
+
+def test_the_old_name_strategy_still_works_with_a_note(capsys):
+    rt = ddpkit.setup(env=ClusterEnv())
+    with pytest.warns(FutureWarning, match=r"rt.wrap\(strategy=...\) is now rt.wrap\(engine=...\)"):
+        model = rt.wrap(nn.Linear(2, 2), strategy="none")
+    assert isinstance(model, nn.Linear)
+    assert config_from_dict({"strategy": "none"}).engine == "none"
+    assert "note: 'strategy' is now 'engine'; the old name still works" in capsys.readouterr().err
+    cfg = resolve(build_parser().parse_args(["train", "--strategy", "fsdp"]))
+    assert cfg.engine == "fsdp"
+    assert "note: --strategy is now --engine; the old name still works" in capsys.readouterr().err
+
+
+def test_an_engine_in_wrap_wraps_that_model_only_and_ddp_under_horovod_stays_horovod():
+    rt = ddpkit.setup(env=ClusterEnv())
+    with pytest.warns(UserWarning, match="engine 'dp' needs CUDA"):
         rt.wrap(nn.Linear(2, 2), "dp")
     assert rt.engine.name == "ddp"   # setup(engine=...) chooses for the run; wrap for one model
     assert HorovodEngine().serves("ddp") and not DDPEngine().serves("horovod")

@@ -1,4 +1,4 @@
-"""The Horovod engine (``--strategy horovod``): same model as DDP, exact metrics, clear errors.
+"""The Horovod engine (``--engine horovod``): same model as DDP, exact metrics, clear errors.
 
 The multi-process tests run whenever ``horovod.torch`` imports (``make test`` builds it with
 scripts/build_horovod.sh); the rest needs no Horovod.
@@ -39,7 +39,7 @@ def test_launch_args_use_gloo_on_this_host():
 @pytest.mark.parametrize("options,fragment", [
     ({"comm_hook": "powersgd"}, "comm hook 'powersgd' is DDP-only"),
     ({"comm_hook": "bf16"}, "use --comm-hook fp16"),
-    ({"sync_bn": True}, "--sync-bn is not supported with strategy 'horovod'"),
+    ({"sync_bn": True}, "--sync-bn is not supported with engine 'horovod'"),
 ])
 def test_ddp_only_options_are_refused(options, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -50,15 +50,15 @@ def test_ddp_only_options_are_refused(options, fragment):
 def test_missing_horovod_is_one_clear_config_error(monkeypatch):
     monkeypatch.setattr(horovod_engine, "missing_reason",
                         lambda: "horovod is not installed (x); build it with scripts/build_horovod.sh")
-    with pytest.raises(ConfigError, match=r"^--strategy horovod: horovod is not installed .*"
+    with pytest.raises(ConfigError, match=r"^--engine horovod: horovod is not installed .*"
                                           r"scripts/build_horovod.sh"):
-        check_config(TrainConfig(strategy="horovod"), 2, cuda=False)
+        check_config(TrainConfig(engine="horovod"), 2, cuda=False)
 
 
-def test_horovod_strategy_without_its_engine_is_refused_on_several_processes():
+def test_horovod_engine_without_horovods_processes_is_refused_on_several_processes():
     from ddpkit.env.detect import ClusterEnv
     from ddpkit.engines import wrap_model
-    with pytest.raises(ConfigError, match="needs the Horovod engine"):
+    with pytest.raises(ConfigError, match="needs Horovod's processes"):
         wrap_model(torch.nn.Linear(2, 2), ClusterEnv(rank=0, world_size=2), torch.device("cpu"),
                    "horovod")
 
@@ -79,10 +79,10 @@ def _train(run_dir, *flags):
 def test_horovod_trains_the_same_model_as_ddp(tmp_path, accum):
     # Gradients averaged by Horovod's optimizer vs DDP's buckets: with 2 ranks (a+b)/2 and
     # a/2+b/2 are the same floats, so the two engines agree to the last bit or very nearly.
-    hvd = _train(tmp_path / "hvd", "--strategy", "horovod", "--accum-steps", str(accum))
+    hvd = _train(tmp_path / "hvd", "--engine", "horovod", "--accum-steps", str(accum))
     assert hvd.returncode == 0, hvd.stderr[-3000:]
     assert "distributed_backend=horovod launcher=horovod" in hvd.stdout
-    ddp = _train(tmp_path / "ddp", "--strategy", "ddp", "--accum-steps", str(accum))
+    ddp = _train(tmp_path / "ddp", "--engine", "ddp", "--accum-steps", str(accum))
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     a, b = _final_weights(tmp_path / "hvd"), _final_weights(tmp_path / "ddp")
     assert a.keys() == b.keys()
@@ -117,10 +117,10 @@ def test_rank_utilities_run_on_horovod_collectives(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("flags,message", [
     (["--comm-hook", "powersgd"], "error: comm hook 'powersgd' is DDP-only"),
-    (["--nnodes", "2"], "error: --strategy horovod runs on one node"),
+    (["--nnodes", "2"], "error: --engine horovod runs on one node"),
 ])
 def test_bad_horovod_input_is_one_line(tmp_path, flags, message):
-    res = ddpkit("train", "--strategy", "horovod", "--output", str(tmp_path), *flags)
+    res = ddpkit("train", "--engine", "horovod", "--output", str(tmp_path), *flags)
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith(message), res.stderr

@@ -120,7 +120,7 @@ def test_consolidate_writes_a_plain_state_dict(tmp_path, fsdp_reference):
 
 
 def test_train_job_with_fsdp(tmp_path):
-    res = run_cli("train", "--strategy", "fsdp", "--nproc", "2", "--epochs", "3",
+    res = run_cli("train", "--engine", "fsdp", "--nproc", "2", "--epochs", "3",
                   "--output", str(tmp_path), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "top-1" in res.stdout
@@ -128,7 +128,7 @@ def test_train_job_with_fsdp(tmp_path):
 
 
 def test_fsdp_bad_input_is_one_line(tmp_path):
-    res = run_cli("train", "--strategy", "fsdp", "--comm-hook", "fp16", "--output",
+    res = run_cli("train", "--engine", "fsdp", "--comm-hook", "fp16", "--output",
                   str(tmp_path), timeout=60)
     assert res.returncode == 2
     assert error_lines(res.stderr) == [
@@ -150,7 +150,7 @@ def _int_params():
 def test_non_float_parameters_are_refused():
     assert ddpkit.launch(_int_params, 2, timeout=120) == (
         "FSDP shards floating-point parameters only; parameter 'steps' is torch.int64: make it "
-        "a buffer, or use --strategy ddp")
+        "a buffer, or use --engine ddp")
 
 
 def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path):
@@ -218,7 +218,7 @@ def test_fsdp_accumulation_and_clipping_match_ddp():
 
 
 def test_language_model_job_under_fsdp_in_bf16_checkpoints_shards(tmp_path):
-    res = run_cli("train", "--strategy", "fsdp", "--precision", "bf16", "--model", "gpt",
+    res = run_cli("train", "--engine", "fsdp", "--precision", "bf16", "--model", "gpt",
                   "--data", "text", "--context", "32", "--epochs", "1", "--max-steps", "4",
                   "--output", str(tmp_path), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -232,6 +232,6 @@ def test_fsdp_without_a_torch_process_group_is_one_line():
     from ddpkit.wrap import WrapOptions
 
     two_ranks = ClusterEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
-    with pytest.raises(ConfigError, match=r"^--strategy fsdp needs torch.distributed's process "
+    with pytest.raises(ConfigError, match=r"^--engine fsdp needs torch.distributed's process "
                                           "group: start with ddpkit run / torchrun"):
         FSDPEngine().wrap(nn.Linear(2, 2), two_ranks, torch.device("cpu"), WrapOptions())

@@ -98,8 +98,8 @@ def test_one_process_is_on_the_gpu_without_a_process_group(tmp_path):
     assert "one None cuda:0 False cuda:0" in res.stdout
 
 
-def test_data_parallel_strategy(tmp_path):
-    ok(ddpkit("train", "--strategy", "dp", "--epochs", "3", "--output", str(tmp_path)))
+def test_data_parallel_engine(tmp_path):
+    ok(ddpkit("train", "--engine", "dp", "--epochs", "3", "--output", str(tmp_path)))
     assert results(tmp_path)["final"]["eval/top1"] > 90
 
 

@@ -18,7 +18,7 @@ from ddpkit.cli.train import resolve
 
 def test_defaults():
     cfg = TrainConfig()
-    assert (cfg.nproc, cfg.strategy, cfg.backend, cfg.accelerator) == ("auto", "ddp", None, "auto")
+    assert (cfg.nproc, cfg.engine, cfg.backend, cfg.accelerator) == ("auto", "ddp", None, "auto")
     assert (cfg.device_data, cfg.compile, cfg.tf32) == ("auto", False, True)
     assert (cfg.model, cfg.data, cfg.epochs, cfg.batch_size) == ("small_cnn", "digits", 12, 64)
     assert (cfg.lr, cfg.optimizer, cfg.scheduler, cfg.precision) == (0.05, "sgd", "cosine", "fp32")
@@ -142,7 +142,7 @@ def test_none_accepted_for_optional_fields():
 @pytest.mark.parametrize("key,bad,choices", [
     ("optimizer", "rmsprop", "sgd, adam, adamw"),
     ("precision", "fp8", "fp32, bf16, fp16"),
-    ("strategy", "deepspeed", "ddp, fsdp, dp, horovod, none"),
+    ("engine", "deepspeed", "ddp, fsdp, dp, horovod, none"),
     ("scheduler", "linear", "none, cosine, step, onecycle"),
     ("accelerator", "tpu", "auto, cpu, cuda"),
     ("comm_hook", "int8", "fp16, bf16, powersgd, powersgd-batched, auto"),
@@ -160,8 +160,8 @@ def test_choice_check_uses_normalised_key():
 
 def test_valid_choices_accepted():
     cfg = config_from_dict({"optimizer": "adamw", "precision": "bf16", "comm_hook": "powersgd",
-                            "scheduler": "onecycle", "strategy": "none"})
-    assert (cfg.optimizer, cfg.precision, cfg.comm_hook, cfg.scheduler, cfg.strategy) == (
+                            "scheduler": "onecycle", "engine": "none"})
+    assert (cfg.optimizer, cfg.precision, cfg.comm_hook, cfg.scheduler, cfg.engine) == (
         "adamw", "bf16", "powersgd", "onecycle", "none")
 
 

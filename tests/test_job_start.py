@@ -11,13 +11,13 @@ import torch
 from ddpkit.checkpoint.files import find_latest
 from ddpkit.errors import ConfigError
 from ddpkit.job.config import TrainConfig
-from ddpkit.job.start import WORKER, job_nproc, plan, start
+from ddpkit.job.start import WORKER, inside_a_launcher, job_nproc, plan, start
 from ddpkit.launch.torchrun import RunConfig
 
 from test_cli import ddpkit
 
 
-@pytest.mark.parametrize("nproc,launch,inside,strategy,where", [
+@pytest.mark.parametrize("nproc,launch,inside,engine,where", [
     (1, {}, False, "ddp", "here"),
     (2, {}, False, "ddp", "torchrun"),
     (1, {"nnodes": 2}, False, "ddp", "torchrun"),
@@ -26,9 +26,43 @@ from test_cli import ddpkit
     (2, {}, False, "horovod", "horovodrun"),
     (1, {}, False, "horovod", "here"),
 ])
-def test_plan_picks_where_the_job_runs(nproc, launch, inside, strategy, where):
-    cfg = TrainConfig(nproc=nproc, strategy=strategy)
+def test_plan_picks_where_the_job_runs(nproc, launch, inside, engine, where):
+    cfg = TrainConfig(nproc=nproc, engine=engine)
     assert plan(cfg, RunConfig(WORKER, **launch), inside) == where
+
+
+OUTER = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+         "MASTER_PORT": "29999"}
+
+
+@pytest.mark.parametrize("environ,parent,inside", [
+    ({}, ["-bash"], False),
+    ({**OUTER, "TORCHELASTIC_RUN_ID": "oldjob"}, ["-bash"], False),          # left in a shell
+    ({**OUTER, "TORCHELASTIC_RUN_ID": "oldjob"}, ["timeout", "9", "ddpkit", "train"], False),
+    (OUTER, ["-bash"], False),                                               # nothing vouches
+    ({**OUTER, "TORCHELASTIC_RUN_ID": "j"}, ["/venv/bin/python", "/venv/bin/torchrun"], True),
+    ({**OUTER, "TORCHELASTIC_RUN_ID": "j"}, ["python", "-m", "torch.distributed.run"], True),
+    ({**OUTER, "TORCHELASTIC_RUN_ID": "j", "DDPKIT_LAUNCHER_PID": str(os.getppid())},
+     ["python", "-m", "ddpkit", "run"], True),                               # ddpkit run's agent
+    ({**OUTER, "OMPI_COMM_WORLD_SIZE": "4"}, ["mpirun"], True),
+    ({**OUTER, "KUBERNETES_SERVICE_HOST": "10.0.0.1"}, ["/bin/sh"], True),   # a pod's ranks
+])
+def test_a_worker_of_a_launcher_or_an_outer_jobs_variables(environ, parent, inside, capsys):
+    assert inside_a_launcher(environ, parent=parent) == inside
+    note = capsys.readouterr().err
+    assert ("note: ignoring RANK=1 WORLD_SIZE=4" in note) == (bool(environ) and not inside)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_id", ["oldjob", None])
+def test_train_in_a_shell_with_an_outer_jobs_variables_launches_its_own(tmp_path, run_id):
+    # once a 10-minute hang that ignored Ctrl-C (with TORCHELASTIC_RUN_ID), else a 60 s wait
+    env = {**os.environ, **OUTER, **({"TORCHELASTIC_RUN_ID": run_id} if run_id else {})}
+    res = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--epochs", "1", "--output",
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.count("note: ignoring RANK=1 WORLD_SIZE=4") == 1
+    assert "final: top-1" in res.stdout
 
 
 def test_start_from_python_trains_in_this_process(tmp_path, capsys):
@@ -126,3 +160,38 @@ def test_compile_without_a_compiler_is_one_line(tmp_path):
     assert res.returncode != 0
     assert res.stderr.strip() == ("error: --compile: torch.compile on CPU needs a C++ compiler "
                                   "(g++ or clang++) on PATH; drop --compile to train without it")
+
+
+@pytest.mark.parametrize("content,said", [
+    ("state_dict", "a plain state_dict: 2 tensors ('weight', 'bias')"),
+    ("other", "a dict of 2 key(s): 'epoch', 'state'"),
+])
+def test_resuming_a_file_that_is_not_a_ddpkit_checkpoint_is_one_line(tmp_path, content, said):
+    path = tmp_path / "weights.pt"
+    torch.save(torch.nn.Linear(2, 2).state_dict() if content == "state_dict"
+               else {"epoch": 3, "state": {}}, path)
+    out = tmp_path / "run"
+    res = ddpkit("train", "--resume", str(path), "--output", str(out), timeout=60)
+    assert res.returncode == 2
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "is not a checkpoint of ddpkit train" in errors[0], res.stderr
+    assert said in errors[0] and "Traceback" not in res.stderr
+    assert not out.exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_a_new_seed_on_resume_is_refused_before_writing_and_other_changes_are_said(tmp_path):
+    out = tmp_path / "run"
+    assert ddpkit("train", "--nproc", "1", "--epochs", "1", "--max-steps", "3", "--output",
+                  str(out)).returncode == 0
+    before = (out / "config.json").read_text()
+    res = ddpkit("train", "--nproc", "1", "--epochs", "1", "--seed", "5", "--resume", "auto",
+                 "--output", str(out))
+    assert res.returncode == 2 and "was written with --seed 0, but this run asks for --seed 5" \
+        in res.stderr
+    assert (out / "config.json").read_text() == before  # the run's own resume still works
+    res = ddpkit("train", "--nproc", "1", "--epochs", "2", "--lr", "0.1", "--resume", "auto",
+                 "--output", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "with changes from the run that wrote it: epochs 1 -> 2, lr 0.05 -> 0.1, max_steps " \
+           "3 -> None" in res.stderr

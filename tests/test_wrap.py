@@ -1,4 +1,4 @@
-"""Model wrapping without a process group: unwrap, strategy checks, single-process no-ops."""
+"""Model wrapping without a process group: unwrap, engine checks, single-process no-ops."""
 import warnings
 
 import pytest
@@ -8,7 +8,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ddpkit.env.detect import ClusterEnv
 from ddpkit.errors import ConfigError
-from ddpkit.engines import STRATEGIES, wrap_model
+from ddpkit.engines import ENGINES, wrap_model
 from ddpkit.engines.ddp import register_comm_hook as _register_comm_hook
 from ddpkit.wrap import WrapOptions, unwrap
 
@@ -24,7 +24,7 @@ class Net(nn.Module):
 
 
 def test_strategies():
-    assert STRATEGIES == ("ddp", "fsdp", "dp", "horovod", "none")
+    assert ENGINES == ("ddp", "fsdp", "dp", "horovod", "none")
 
 
 def test_wrap_options_defaults():
@@ -55,42 +55,42 @@ def test_unwrap_does_not_descend_into_other_containers():
 
 def test_dp_on_cpu_warns_and_returns_plain_module():
     m = Net()
-    with pytest.warns(UserWarning, match=r"^strategy 'dp' needs CUDA devices; on CPU the plain "
+    with pytest.warns(UserWarning, match=r"^engine 'dp' needs CUDA devices; on CPU the plain "
                                          r"module is used$"):
         out = wrap_model(m, ClusterEnv(), CPU, "dp")
     assert out is m
     assert not isinstance(out, (DataParallel, DistributedDataParallel))
 
 
-@pytest.mark.parametrize("strategy", ["FSDP2", "DDP", "", "deepspeed"])
-def test_unknown_strategy_lists_choices(strategy):
+@pytest.mark.parametrize("engine", ["FSDP2", "DDP", "", "deepspeed"])
+def test_unknown_engine_lists_choices(engine):
     with pytest.raises(ConfigError) as exc:
-        wrap_model(Net(), ClusterEnv(), CPU, strategy)
-    assert str(exc.value) == (f"unknown strategy {strategy!r}; choose one of ddp, fsdp, dp, "
+        wrap_model(Net(), ClusterEnv(), CPU, engine)
+    assert str(exc.value) == (f"unknown engine {engine!r}; choose one of ddp, fsdp, dp, "
                               "horovod, none")
 
 
-def test_unknown_strategy_checked_before_the_model_is_touched():
+def test_unknown_engine_checked_before_the_model_is_touched():
     m = Net()
     with pytest.raises(ConfigError):
         wrap_model(m, ClusterEnv(), torch.device("meta"), "bogus")
     assert all(p.device == CPU for p in m.parameters())
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "none"])
-def test_single_process_returns_the_module(strategy):
+@pytest.mark.parametrize("engine", ["ddp", "none"])
+def test_single_process_returns_the_module(engine):
     m = Net()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning for the normal single-process path
-        out = wrap_model(m, ClusterEnv(), CPU, strategy)
+        out = wrap_model(m, ClusterEnv(), CPU, engine)
     assert out is m
     assert not isinstance(out, DistributedDataParallel)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "none"])
-def test_single_process_moves_module_to_device(strategy):
+@pytest.mark.parametrize("engine", ["ddp", "none"])
+def test_single_process_moves_module_to_device(engine):
     m = Net()
-    out = wrap_model(m, ClusterEnv(), torch.device("meta"), strategy)
+    out = wrap_model(m, ClusterEnv(), torch.device("meta"), engine)
     assert not isinstance(out, DistributedDataParallel)
     assert {p.device.type for p in out.parameters()} == {"meta"}
     assert {b.device.type for b in out.buffers()} == {"meta"}
@@ -112,7 +112,7 @@ def test_sync_bn_not_applied_in_single_process():
 
 
 def test_sync_bn_not_applied_without_ddp():
-    # world > 1 but strategy none: no DDP, no SyncBatchNorm and no process group needed
+    # world > 1 but engine none: no DDP, no SyncBatchNorm and no process group needed
     env = ClusterEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
     m = Net()
     out = wrap_model(m, env, CPU, "none", WrapOptions(sync_bn=True))

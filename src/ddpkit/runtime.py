@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import os
 import sys
+import warnings
 import weakref
 from datetime import timedelta
 from typing import Any, Mapping, Optional, Sequence
@@ -67,10 +68,10 @@ class Runtime:
     world_size = property(lambda self: self.env.world_size, doc="Number of processes.")
     is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0.")
 
-    def wrap(self, model: nn.Module, strategy: Optional[str] = None, **options: Any) -> nn.Module:
+    def wrap(self, model: nn.Module, engine: Optional[str] = None, **options: Any) -> nn.Module:
         """Move to this rank's device and wrap it the engine's way; see :class:`WrapOptions`.
 
-        ``strategy`` (``ddp`` | ``dp`` | ``horovod`` | ``none``) wraps this one model another way
+        ``engine`` (``ddp`` | ``fsdp`` | ``dp`` | ``horovod`` | ``none``) wraps this one model another way
         than the engine chosen by :func:`setup` (``setup(engine=...)`` chooses for the whole
         run); under the Horovod engine ``ddp`` means ``horovod``, so a script runs unchanged
         under ``horovodrun`` (then also pass the optimizer to :meth:`optimizer`).
@@ -80,15 +81,19 @@ class Runtime:
             model = rt.wrap(Net(), sync_bn=True)
             model = rt.wrap(Net(), compile=True)   # torch.compile over the DDP module
         """
+        if "strategy" in options:  # the old name of the argument
+            warnings.warn("rt.wrap(strategy=...) is now rt.wrap(engine=...); the old name still "
+                          "works", FutureWarning, stacklevel=2)
+            engine = engine or options.pop("strategy")
         check_not_wrapped(model, self._wrapped.get(unwrap(model)))
-        engine = self.engine
-        if strategy is not None and not engine.serves(strategy):
-            engine = engines.create(strategy)
+        chosen = self.engine
+        if engine is not None and not chosen.serves(engine):
+            chosen = engines.create(engine)
         opts = WrapOptions(**options)
         watch = observe.active()
         if watch is not None:  # ddpkit verify: before DDP takes its copy of the parameters
             watch.model(model)
-        wrapped = engine.wrap(model, self.env, self.device, opts)
+        wrapped = chosen.wrap(model, self.env, self.device, opts)
         self._wrapped[unwrap(wrapped)] = type(wrapped).__name__
         return compile_model(wrapped, self.device, opts.compile_mode) if opts.compile else wrapped
 

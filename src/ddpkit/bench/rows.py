@@ -28,14 +28,14 @@ class Row:
     help: str
     single: bool = False        # one process (the baselines and DataParallel)
     all_threads: bool = False   # every core in that one process
-    strategy: str = "ddp"
+    engine: str = "ddp"
     precision: str = "fp32"
     channels_last: bool = False
     accum: str = ""  # "" | "nosync" (ddpkit Accumulator) | "naive" (sync each micro-step)
     comm_hook: Optional[str] = None
     sync_bn: bool = False
     zero: bool = False
-    engine: str = "ddpkit"      # or "horovod"
+    runner: str = "ddpkit"      # how the row's processes start: ddpkit run, or horovodrun
     gpu: bool = False           # one process on one GPU (skipped without CUDA)
     device_data: str = "auto"   # data on the device (auto: on a GPU when it fits) or "off"
     compile: bool = False       # torch.compile
@@ -44,11 +44,11 @@ class Row:
 #: Every row, in table order.
 ROWS: Dict[str, Row] = {r.name: r for r in (
     Row("single-1t", "one process, one thread (the efficiency baseline)", single=True,
-        strategy="none"),
-    Row("single-all", "one process, every core", single=True, all_threads=True, strategy="none"),
-    Row("dp", "nn.DataParallel over all GPUs in one process", single=True, strategy="dp"),
+        engine="none"),
+    Row("single-all", "one process, every core", single=True, all_threads=True, engine="none"),
+    Row("dp", "nn.DataParallel over all GPUs in one process", single=True, engine="dp"),
     Row("indep", "N independent processes, no communication (isolates core/memory contention)",
-        strategy="none"),
+        engine="none"),
     Row("ddp", "DDP over N processes, fp32 (the tutorials' script)"),
     Row("ddp-cl", "DDP, fp32, channels_last", channels_last=True),
     Row("ddp-bf16", "DDP + bf16 autocast", precision="bf16"),
@@ -62,21 +62,21 @@ ROWS: Dict[str, Row] = {r.name: r for r in (
     Row("ddp-powersgd", "DDP + PowerSGD rank-2 compression (comm hook)", comm_hook="powersgd"),
     Row("zero", "DDP + ZeroRedundancyOptimizer (optimizer state sharded)", zero=True),
     Row("fsdp", "FSDP2 fully_shard: parameters, gradients and optimizer state sharded",
-        strategy="fsdp"),
-    Row("horovod", "Horovod over gloo, N processes", engine="horovod"),
+        engine="fsdp"),
+    Row("horovod", "Horovod over gloo, N processes", runner="horovod"),
     # One GPU: precision, memory format, compilation and where the data lives.
     Row("gpu-fp32", "one process on one GPU, fp32 (TF32 matmuls), data on the GPU", single=True,
-        strategy="none", gpu=True),
-    Row("gpu-bf16", "one GPU, bf16 autocast", single=True, strategy="none", gpu=True,
+        engine="none", gpu=True),
+    Row("gpu-bf16", "one GPU, bf16 autocast", single=True, engine="none", gpu=True,
         precision="bf16"),
-    Row("gpu-fp16", "one GPU, fp16 autocast + GradScaler", single=True, strategy="none",
+    Row("gpu-fp16", "one GPU, fp16 autocast + GradScaler", single=True, engine="none",
         gpu=True, precision="fp16"),
-    Row("gpu-bf16-cl", "one GPU, bf16 + channels_last", single=True, strategy="none", gpu=True,
+    Row("gpu-bf16-cl", "one GPU, bf16 + channels_last", single=True, engine="none", gpu=True,
         precision="bf16", channels_last=True),
     Row("gpu-compile", "one GPU, bf16 + channels_last + torch.compile", single=True,
-        strategy="none", gpu=True, precision="bf16", channels_last=True, compile=True),
+        engine="none", gpu=True, precision="bf16", channels_last=True, compile=True),
     Row("gpu-cpu-loader", "one GPU, bf16 + channels_last, batches from the CPU loader "
-        "(per-item dataset + collate + copy)", single=True, strategy="none", gpu=True,
+        "(per-item dataset + collate + copy)", single=True, engine="none", gpu=True,
         precision="bf16", channels_last=True, device_data="off"),
 )}
 
@@ -187,13 +187,13 @@ def skip_reason(row: Row, cfg: BenchConfig, caps: Dict[str, Any]) -> Optional[st
     cuda = caps["cuda_count"]
     if row.gpu and not cuda:
         return "needs a CUDA GPU (found none)"
-    if row.strategy == "dp" and cuda < 2:
+    if row.engine == "dp" and cuda < 2:
         return f"needs >= 2 CUDA devices (found {cuda})"
     if row.precision == "fp16" and not cuda:
         return "fp16 autocast + GradScaler needs CUDA; on CPU the mixed precision is bf16"
     if row.sync_bn and not cuda:
         return "PyTorch refuses SyncBatchNorm on CPU (it needs CUDA tensors)"
-    if row.engine == "horovod" and caps.get("horovod_missing"):
+    if row.runner == "horovod" and caps.get("horovod_missing"):
         return caps["horovod_missing"]
     if not row.single and cfg.nproc < 2:
         return "needs --nproc >= 2"
@@ -215,17 +215,17 @@ def plan_row(row: Row, cfg: BenchConfig, caps: Dict[str, Any]) -> Dict[str, Any]
     nprocs = 1 if row.single else cfg.nproc
     # More processes than GPUs: they share them over gloo (NCCL cannot), which shows DDP works
     # there but measures nothing a real multi-GPU job would see.
-    sharing = 0 < caps["cuda_count"] < nprocs and row.engine == "ddpkit"
+    sharing = 0 < caps["cuda_count"] < nprocs and row.runner == "ddpkit"
     threads = (os.cpu_count() or 1) if row.all_threads else 1 if row.single else cfg.threads
-    devices = caps["cuda_count"] if row.strategy == "dp" else 1
+    devices = caps["cuda_count"] if row.engine == "dp" else 1
     job = dict(model=cfg.model, batch=cfg.batch * devices, threads=threads, steps=cfg.steps,
                warmup=cfg.warmup, precision=row.precision, channels_last=row.channels_last,
-               strategy=row.strategy, accum=row.accum, accum_k=cfg.accum_steps,
+               engine=row.engine, accum=row.accum, accum_k=cfg.accum_steps,
                comm_hook=row.comm_hook, sync_bn=row.sync_bn, zero=row.zero,
                accuracy=cfg.accuracy, epochs=cfg.epochs, lr=cfg.lr, seed=cfg.seed,
                workers=cfg.workers, epoch_size=cfg.epoch_size, device_data=row.device_data,
                compile=row.compile, backend="gloo" if sharing else None)
     return {"nprocs": nprocs, "threads": threads, "workers": nprocs * threads,
-            "global_batch": nprocs * cfg.batch * devices, "engine": row.engine, "job": job,
+            "global_batch": nprocs * cfg.batch * devices, "runner": row.runner, "job": job,
             "functional": (f"functional, not speed: {nprocs} processes share "
                            f"{caps['cuda_count']} GPU(s) over gloo") if sharing else None}

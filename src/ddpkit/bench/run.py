@@ -51,7 +51,7 @@ def measure(plan: Dict[str, Any], cfg: BenchConfig) -> Dict[str, Any]:
 
 
 def _launch(plan: Dict[str, Any], cfg: BenchConfig) -> Dict[str, Any]:
-    if plan["engine"] == "horovod":
+    if plan["runner"] == "horovod":
         from .horovod import launch_horovod
         return launch_horovod(plan, cfg.row_timeout)
     from .worker import run_row

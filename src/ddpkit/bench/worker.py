@@ -70,7 +70,7 @@ def _model(job: Dict[str, Any], rt: Runtime, train_set: Any) -> nn.Module:
     # PowerSGD compresses from step 10 by default; a short benchmark must time compressed steps
     # (2 is the earliest PowerSGD allows with error feedback).
     return replicated_model(rt, job["model"], train_set, job["seed"], job["channels_last"],
-                            strategy=job["strategy"], sync_bn=job["sync_bn"],
+                            engine=job["engine"], sync_bn=job["sync_bn"],
                             comm_hook=job["comm_hook"], powersgd_start_iter=2,
                             compile=job.get("compile", False))
 

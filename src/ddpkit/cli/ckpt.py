@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     c = actions.add_parser("consolidate", help="one plain state_dict file from a sharded "
                                                "checkpoint",
-                           description="Write the model of a sharded (--strategy fsdp) "
+                           description="Write the model of a sharded (--engine fsdp) "
                                        "checkpoint as one plain state_dict file: "
                                        "model.load_state_dict(torch.load(OUT)).")
     c.add_argument("checkpoint", help="ckpt-*.pt of an FSDP run (or its .shards directory)")

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import Any, Dict
 
-from ..job.config import TrainConfig, field_type, merge
+from ..job.config import RENAMED, TrainConfig, field_type, merge, renamed_note
 from .flags import add_launch_flags, run_config
 
 __all__ = ["add_parser", "resolve"]
@@ -25,6 +25,22 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text,
                                choices=f.metadata.get("choices"), dest=f.name)
+    for old, new in RENAMED.items():  # the old spelling still works, with a note
+        f = next(f for f in dataclasses.fields(TrainConfig) if f.name == new)
+        group.add_argument("--" + old.replace("_", "-"), action=_Renamed, dest=new,
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                           choices=f.metadata.get("choices"))
+
+
+class _Renamed(argparse.Action):
+    """A flag's old name: sets the new one and says so in one line."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any,
+                 option_string: Any = None) -> None:
+        import sys
+        print(renamed_note(option_string.lstrip("-"), self.dest, flag=True), file=sys.stderr,
+              flush=True)
+        setattr(namespace, self.dest, values)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..env.detect import ClusterEnv
-from ..errors import ConfigError, DDPKitError
+from ..errors import ConfigError
 from ..wrap import WrapOptions
 from .base import Engine
 from .ddp import DDPEngine
@@ -22,25 +22,25 @@ from .dp import DPEngine
 from .fsdp import FSDPEngine
 from .horovod import HorovodEngine, started_by_horovod
 
-__all__ = ["Engine", "STRATEGIES", "create", "choose", "active", "wrap_model"]
+__all__ = ["Engine", "ENGINES", "create", "choose", "active", "wrap_model"]
 
 # The order is the one users see in error messages and --help.
 _ENGINES: Dict[str, Type[Engine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine, "dp": DPEngine,
                                      "horovod": HorovodEngine, "none": Engine}
-STRATEGIES = tuple(_ENGINES)
+ENGINES = tuple(_ENGINES)
 # Engines whose collectives replace torch.distributed's when they run (checked in this order).
 _COLLECTIVES = (HorovodEngine,)
 
 
 def create(name: str) -> Engine:
-    """A new engine by its strategy name (``ddp``, ``dp``, ``horovod``, ``none``).
+    """A new engine by its name (``ddp``, ``fsdp``, ``dp``, ``horovod``, ``none``).
 
     Example::
 
         engine = create("ddp")
     """
     if name not in _ENGINES:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+        raise ConfigError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
     return _ENGINES[name]()
 
 
@@ -57,7 +57,7 @@ def choose(name: str = "auto", environ: Mapping[str, str] = os.environ) -> Engin
     if name == "auto":
         name = "horovod" if started_by_horovod(environ) else "ddp"
     if name not in _ENGINES:
-        raise DDPKitError(f"unknown engine {name!r}; choose auto, {', '.join(STRATEGIES)}")
+        raise ConfigError(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINES)}")
     return _ENGINES[name]()
 
 
@@ -78,12 +78,12 @@ def active() -> Engine:
     return _TORCH
 
 
-def wrap_model(model: nn.Module, env: ClusterEnv, device: torch.device, strategy: str = "ddp",
+def wrap_model(model: nn.Module, env: ClusterEnv, device: torch.device, engine: str = "ddp",
                options: Optional[WrapOptions] = None) -> nn.Module:
-    """Move ``model`` to ``device`` and wrap it for ``strategy``; with one process ``ddp`` is a no-op.
+    """Move ``model`` to ``device`` and wrap it for ``engine``; with one process ``ddp`` is a no-op.
 
     Example::
 
         model = wrap_model(Net(), env, device, "ddp", WrapOptions(sync_bn=True))
     """
-    return create(strategy).wrap(model, env, device, options or WrapOptions())
+    return create(engine).wrap(model, env, device, options or WrapOptions())

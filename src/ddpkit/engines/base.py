@@ -52,9 +52,9 @@ class Engine:
         they answer for one process)."""
         return True
 
-    def serves(self, strategy: str) -> bool:
-        """Whether a script asking for ``strategy`` (in ``rt.wrap``) runs on this engine as it is."""
-        return strategy == self.name
+    def serves(self, engine: str) -> bool:
+        """Whether a script asking for ``engine`` (in ``rt.wrap``) runs on this engine as it is."""
+        return engine == self.name
 
     def unavailable(self) -> Optional[str]:
         """Why this engine cannot run here (one line with the fix), or None."""

@@ -30,12 +30,12 @@ class DPEngine(Engine):
 
     def check_world(self, world_size: int) -> None:
         if world_size > 1:
-            raise ConfigError("strategy 'dp' runs one process over all GPUs; use --nproc 1")
+            raise ConfigError("engine 'dp' runs one process over all GPUs; use --nproc 1")
 
     def wrap(self, model: nn.Module, env: ClusterEnv, device: torch.device,
              options: WrapOptions) -> nn.Module:
         model = model.to(device)
         if device.type != "cuda" or torch.cuda.device_count() < 1:
-            warnings.warn("strategy 'dp' needs CUDA devices; on CPU the plain module is used")
+            warnings.warn("engine 'dp' needs CUDA devices; on CPU the plain module is used")
             return model
         return DataParallel(model)

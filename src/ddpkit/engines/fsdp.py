@@ -78,7 +78,7 @@ class FSDPEngine(Engine):
             from torch.distributed.fsdp import fully_shard  # noqa: F401
         except ImportError:
             return (f"FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6; this is "
-                    f"{torch.__version__}: pip install -U torch, or use --strategy ddp")
+                    f"{torch.__version__}: pip install -U torch, or use --engine ddp")
         return None
 
     def start(self, env: ClusterEnv, device: torch.device, backend: Optional[str],
@@ -94,8 +94,8 @@ class FSDPEngine(Engine):
 
     def check_options(self, options: WrapOptions) -> None:
         if options.sync_bn:
-            raise ConfigError("--sync-bn is not supported with --strategy fsdp; use "
-                              "--strategy ddp for SyncBatchNorm")
+            raise ConfigError("--sync-bn is not supported with --engine fsdp; use "
+                              "--engine ddp for SyncBatchNorm")
         if options.comm_hook:
             raise ConfigError("--comm-hook is a DDP gradient hook; FSDP reduces gradients in "
                               "its own precision (--precision bf16 reduces in fp32)")
@@ -105,18 +105,18 @@ class FSDPEngine(Engine):
         self.check_options(options)
         reason = self.unavailable()
         if reason:
-            raise ConfigError(f"--strategy fsdp: {reason}")
+            raise ConfigError(f"--engine fsdp: {reason}")
         for name, p in model.named_parameters():
             if not p.is_floating_point():
                 raise ConfigError(f"FSDP shards floating-point parameters only; parameter "
-                                  f"{name!r} is {p.dtype}: make it a buffer, or use --strategy "
+                                  f"{name!r} is {p.dtype}: make it a buffer, or use --engine "
                                   "ddp")
         model = model.to(device)
         if not env.is_distributed:
             return model
         import torch.distributed as tdist
         if not tdist.is_initialized():  # Horovod's ranks, or a DataParallel-only process
-            raise ConfigError("--strategy fsdp needs torch.distributed's process group: start "
+            raise ConfigError("--engine fsdp needs torch.distributed's process group: start "
                               "with ddpkit run / torchrun (not horovodrun) and "
                               "ddpkit.setup(engine='fsdp')")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -1,7 +1,7 @@
 """The ``horovod`` engine: Horovod's collectives and ``DistributedOptimizer`` instead of torch DDP.
 
 Horovod is optional and never a dependency (build it with ``scripts/build_horovod.sh``). When a
-process was started by ``horovodrun`` (or ``ddpkit train --strategy horovod``),
+process was started by ``horovodrun`` (or ``ddpkit train --engine horovod``),
 :func:`ddpkit.setup` picks this engine: ``hvd.init()`` replaces ``init_process_group``, and
 ddpkit's rank utilities (:mod:`ddpkit.comm`: reduce, gather, broadcast, barrier) run on
 Horovod's collectives, so exact evaluation, checkpoint agreement and logging work unchanged.
@@ -12,7 +12,7 @@ optionally fp16-compressed, with parameters and optimizer state broadcast from r
 Example::
 
     horovodrun -np 2 --gloo python train.py       # train.py: rt = ddpkit.setup()  (auto-detected)
-    ddpkit train --strategy horovod --nproc 2     # the same for the built-in job
+    ddpkit train --engine horovod --nproc 2     # the same for the built-in job
 """
 from __future__ import annotations
 
@@ -93,9 +93,9 @@ class HorovodEngine(Engine):
             raise RuntimeError("the Horovod engine is not initialised; call ddpkit.setup() first")
         return hvd
 
-    def serves(self, strategy: str) -> bool:
+    def serves(self, engine: str) -> bool:
         # A DDP script runs unchanged under horovodrun: its rt.wrap(model) asks for "ddp".
-        return strategy in ("horovod", "ddp")
+        return engine in ("horovod", "ddp")
 
     def unavailable(self) -> Optional[str]:
         return missing_reason()
@@ -130,10 +130,10 @@ class HorovodEngine(Engine):
             HorovodEngine().check_options(WrapOptions(comm_hook="powersgd"))   # ConfigError
         """
         if options.comm_hook is not None and options.comm_hook not in COMPRESSIONS:
-            raise ConfigError(f"comm hook {options.comm_hook!r} is DDP-only; with strategy "
+            raise ConfigError(f"comm hook {options.comm_hook!r} is DDP-only; with engine "
                               "'horovod' use --comm-hook fp16 (Horovod's fp16 compression) or none")
         if options.sync_bn:
-            raise ConfigError("--sync-bn is not supported with strategy 'horovod' in ddpkit; "
+            raise ConfigError("--sync-bn is not supported with engine 'horovod' in ddpkit; "
                               "use ddp")
 
     def wrap(self, model: nn.Module, env: ClusterEnv, device: torch.device,
@@ -144,8 +144,8 @@ class HorovodEngine(Engine):
         hvd = _hvd()
         if hvd is None:
             if env.is_distributed:
-                raise ConfigError("strategy 'horovod' needs the Horovod engine: start the "
-                                  "script with horovodrun (or `ddpkit train --strategy horovod`)")
+                raise ConfigError("engine 'horovod' needs Horovod's processes: start the "
+                                  "script with horovodrun (or `ddpkit train --engine horovod`)")
             return model
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if hvd.size() > 1 and not hasattr(model, "_ddpkit_hvd_guard"):

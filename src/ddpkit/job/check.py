@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 import warnings
 from typing import Optional
 
@@ -20,7 +21,7 @@ from .datasets import ON_DISK, available_datasets, dataset_key
 from .disk_datasets import require_pil
 from .models import LANGUAGE_MODELS, available_models, is_torchvision, model_key
 
-__all__ = ["check_config", "check_every_world", "micro_batch_size", "check_batch_fits",
+__all__ = ["check_config", "check_every_world", "micro_batch_size", "check_batch_fits", "describe_foreign",
            "known_train_size", "check_resume"]
 
 
@@ -123,11 +124,11 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool,
     if is_torchvision(cfg.model) and importlib.util.find_spec("torchvision") is None:
         raise ConfigError(f"model {cfg.model!r} needs torchvision; pip install torchvision, or "
                           f"use one of {', '.join(available_models())}")
-    engine = create_engine(cfg.strategy)
+    engine = create_engine(cfg.engine)
     engine.check_world(world_size)
     reason = engine.unavailable()
     if reason:
-        raise ConfigError(f"--strategy {cfg.strategy}: {reason}")
+        raise ConfigError(f"--engine {cfg.engine}: {reason}")
     engine.check_options(WrapOptions(sync_bn=cfg.sync_bn, comm_hook=cfg.comm_hook))
     if cfg.sync_bn and world_size > 1 and not cuda:
         raise ConfigError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm refuses CPU tensors; "
@@ -175,8 +176,28 @@ def check_batch_fits(cfg: TrainConfig, samples: int, world_size: int = 1) -> Non
     micro_batch_size(cfg, world_size, samples)
 
 
-# The keys that decide what a checkpoint's weights and data position mean.
-_RUN_KEYS = ("model", "data", "context")
+# The keys that decide what a checkpoint's weights and data position mean (the seed: the order
+# the data is shuffled in, so where in it the checkpoint stands).
+_RUN_KEYS = ("model", "data", "context", "seed")
+# Keys whose change on resume is no change to the run's course: not worth a note.
+_QUIET_KEYS = ("resume", "output", "progress", "nproc")
+
+
+def describe_foreign(state: object) -> str:
+    """What a loaded file that is not a ddpkit checkpoint holds, in a few words.
+
+    Example::
+
+        describe_foreign(nn.Linear(2, 2).state_dict())
+        # "a plain state_dict: 2 tensors ('weight', 'bias')"
+    """
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not a dict"
+    keys = list(state)
+    names = ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
+    if keys and all(isinstance(v, torch.Tensor) for v in state.values()):
+        return f"a plain state_dict: {len(keys)} tensors ({names})"
+    return f"a dict of {len(keys)} key(s): {names}" if keys else "an empty dict"
 
 
 def check_resume(cfg: TrainConfig) -> None:
@@ -193,6 +214,11 @@ def check_resume(cfg: TrainConfig) -> None:
     with warnings.catch_warnings():  # torn checkpoints are skipped (and said) by the workers
         warnings.simplefilter("ignore")
         found = resolve_resume(cfg.resume, os.path.join(cfg.output, "checkpoints"))
+    if found and not ("model" in found[1] and "progress" in found[1]):
+        raise ConfigError(f"--resume {cfg.resume}: {found[0]} is not a checkpoint of ddpkit "
+                          f"train ({describe_foreign(found[1])}); --resume continues a run from "
+                          "its own checkpoints (runs/NAME/checkpoints/ckpt-*.pt). Nothing was "
+                          "written; leave --resume out to start afresh")
     saved = (found[1].get("config") or {}) if found else {}
     if not isinstance(saved, dict):
         return
@@ -203,3 +229,9 @@ def check_resume(cfg: TrainConfig) -> None:
         raise ConfigError(f"--resume {cfg.resume}: checkpoint {found[0]} was written with "
                           f"{theirs}, but this run asks for {ours}; resume with {theirs} (or "
                           f"--config of that run), or start this one in another --output")
+    changed = [(k, saved[k], getattr(cfg, k)) for k in sorted(saved)
+               if hasattr(cfg, k) and k not in _QUIET_KEYS and saved[k] != getattr(cfg, k)]
+    if changed:  # allowed (a longer run, another lr), but not silently
+        said = ", ".join(f"{k} {old} -> {new}" for k, old, new in changed)
+        print(f"note: resuming {found[0].name} with changes from the run that wrote it: {said}",
+              file=sys.stderr, flush=True)

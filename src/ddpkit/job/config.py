@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Union
 
-from ..engines import STRATEGIES
+from ..engines import ENGINES
 from ..engines.ddp import COMM_HOOKS
 from ..errors import ConfigError
 
@@ -42,8 +42,8 @@ class TrainConfig:
     nproc: Union[int, str] = field(default="auto", metadata={
         "help": "processes on this node: a number, or 'auto' (one per GPU; 2 on CPU)",
         "parse": lambda v: parse_nproc(v)})
-    strategy: str = _opt("ddp", "how the model is replicated (horovod: needs scripts/build_horovod.sh)",
-                         STRATEGIES)
+    engine: str = _opt("ddp", "how the model is replicated (horovod: needs scripts/build_horovod.sh)",
+                         ENGINES)
     backend: Optional[str] = _opt(None, "process group backend (default: nccl on GPU, gloo on CPU)")
     accelerator: str = _opt("auto", "device type", ("auto", "cpu", "cuda"))
     timeout_s: float = _opt(600.0, "collective timeout in seconds", above=0)
@@ -181,6 +181,22 @@ def _coerce(key: str, value: Any) -> Any:
 #: Keys a run adds to its config.json as a record, read back as nothing: what ``--comm-hook
 #: auto`` chose (``comm_hook_chosen``).
 RECORDED = ("comm_hook_chosen",)
+#: Old names of keys (and flags), still read, with a note: old name -> new name.
+RENAMED = {"strategy": "engine"}
+
+
+def renamed_note(old: str, new: str, flag: bool = False) -> str:
+    """The one-line note for a key (or ``--flag``) read under its old name.
+
+    Example::
+
+        renamed_note("strategy", "engine", flag=True)   # 'note: --strategy is now --engine; ...'
+    """
+    if flag:
+        old, new = "--" + old.replace("_", "-"), "--" + new.replace("_", "-")
+    else:
+        old, new = repr(old), repr(new)
+    return f"note: {old} is now {new}; the old name still works"
 
 
 def config_from_dict(values: Mapping[str, Any], base: Optional[TrainConfig] = None) -> TrainConfig:
@@ -196,6 +212,9 @@ def config_from_dict(values: Mapping[str, Any], base: Optional[TrainConfig] = No
         key = str(raw_key).replace("-", "_")
         if key in RECORDED:
             continue
+        if key in RENAMED and RENAMED[key] not in values:
+            print(renamed_note(key, RENAMED[key]), file=sys.stderr, flush=True)
+            key = RENAMED[key]
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -10,12 +10,13 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Iterator, Mapping, Optional, Union
+from typing import Iterator, List, Mapping, Optional, Union
 
 import torch
 
 from ..checkpoint.files import list_checkpoints
 from ..checkpoint.write import RESUME_COMMAND_VAR
+from ..faults.crash import LAUNCHER_PID_VAR
 from ..engines import create as create_engine
 from ..env.detect import detect
 from ..errors import ConfigError
@@ -27,7 +28,7 @@ from ..env.dist import check_gpu_sharing
 from .config import TrainConfig, parse_nproc
 from .rundir import hold_run_dir
 
-__all__ = ["start", "plan", "job_nproc", "resume_hint", "WORKER"]
+__all__ = ["start", "plan", "job_nproc", "resume_hint", "inside_a_launcher", "WORKER"]
 
 #: The worker module every rank runs: ``python -m ddpkit.job.train CONFIG.json``.
 WORKER = "ddpkit.job.train"
@@ -47,6 +48,50 @@ def job_nproc(nproc: Union[int, str], gpus: int) -> int:
     return gpus or min(2, os.cpu_count() or 1)
 
 
+#: Words of a torchrun agent's command line (``torchrun``, ``python -m torch.distributed.run``,
+#: ``torch.distributed.launch``); ``ddpkit run``'s agent runs in-process and says its pid.
+_AGENTS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def inside_a_launcher(environ: Mapping[str, str], parent: Optional[List[str]] = None) -> bool:
+    """Whether this process is one worker of a launcher (then ``ddpkit train`` trains here as
+    that rank) rather than the launcher itself: ``RANK`` and ``WORLD_SIZE`` are set *and* a
+    launcher stands behind them. torchrun's mark (``TORCHELASTIC_RUN_ID``) counts only when the
+    parent process is its agent (``parent``: its arguments, read from /proc by default; or
+    ``ddpkit run``, whose pid the workers get): the variables of an outer job left in a shell are
+    ignored, with a note, not waited on.
+
+    Example::
+
+        inside_a_launcher({"RANK": "1", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "old"},
+                          parent=["-bash"])   # False: a shell, not torchrun's agent
+    """
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        return False
+    if environ.get("TORCHELASTIC_RUN_ID"):
+        args = _parent_args() if parent is None else parent
+        inside = args is None or environ.get(LAUNCHER_PID_VAR) == str(os.getppid()) or \
+            any(os.path.basename(a) in _AGENTS or a in _AGENTS for a in args[:3])
+    else:  # MPI, ddpkit.launch, a Kubernetes pod, a Slurm step; nothing: stale variables
+        inside = detect(environ).vouched
+    if not inside:
+        stale = " ".join(f"{k}={environ[k]}" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                        "MASTER_ADDR", "MASTER_PORT",
+                                                        "TORCHELASTIC_RUN_ID") if k in environ)
+        print(f"note: ignoring {stale}: no launcher started this process (left from another "
+              "job?); ddpkit train launches its own processes", file=sys.stderr, flush=True)
+    return inside
+
+
+def _parent_args() -> Optional[List[str]]:
+    """The parent process's arguments, or None where /proc cannot say (not Linux)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+
+
 def plan(cfg: TrainConfig, launch: RunConfig, inside_launcher: bool) -> str:
     """Where the job runs: ``"here"`` (this process), ``"torchrun"`` or ``"horovodrun"``.
 
@@ -58,7 +103,7 @@ def plan(cfg: TrainConfig, launch: RunConfig, inside_launcher: bool) -> str:
         return "here"  # already one worker of a launcher: torchrun, srun + torchrun
     if cfg.nproc == 1 and launch.nnodes == 1 and not launch.restarts:
         return "here"
-    return create_engine(cfg.strategy).launcher
+    return create_engine(cfg.engine).launcher
 
 
 def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
@@ -75,13 +120,12 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
     # a restarted worker must pick up its work; an elastic group also restarts to grow
     if (launch.restarts or launch.elastic) and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume="auto")
-    # Already a worker of a launcher (torchrun)? Not Slurm's batch script, which starts its own.
-    inside = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    inside = inside_a_launcher(os.environ)
     gpus = torch.cuda.device_count() if cfg.accelerator != "cpu" else 0
     if cfg.accelerator == "cuda" and not gpus:
         raise ConfigError("--accelerator cuda: no CUDA device is visible here; use "
                           "--accelerator cpu (or auto), or check CUDA_VISIBLE_DEVICES")
-    one_process = cfg.strategy in ("dp", "none") and cfg.nproc == "auto"  # dp: 1 over all GPUs
+    one_process = cfg.engine in ("dp", "none") and cfg.nproc == "auto"  # dp: 1 over all GPUs
     cfg = dataclasses.replace(cfg, nproc=1 if one_process else job_nproc(cfg.nproc, gpus))
     if gpus and not inside:
         check_gpu_sharing(cfg.nproc, gpus, cfg.backend)
@@ -107,7 +151,7 @@ def _launch(cfg: TrainConfig, launch: RunConfig, inside: bool, path: str) -> int
         return 0
     if where == "horovodrun":
         if launch.nnodes != 1 or launch.restarts:
-            raise ConfigError("--strategy horovod runs on one node without restarts from `ddpkit "
+            raise ConfigError("--engine horovod runs on one node without restarts from `ddpkit "
                               f"train`; for several hosts run `horovodrun -H ... python -m {WORKER} "
                               f"{path}` yourself")
         return horovodrun.run(cfg.nproc, [sys.executable, "-m", WORKER, path])

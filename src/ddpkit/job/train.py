@@ -59,7 +59,7 @@ def train(cfg: TrainConfig) -> TrainState:
     """
     rt = setup(backend=cfg.backend, accelerator=cfg.accelerator, seed=cfg.seed,
                timeout=timedelta(seconds=cfg.timeout_s), deterministic=cfg.deterministic,
-               engine=cfg.strategy)
+               engine=cfg.engine)
     check_config(cfg, rt.world_size, rt.device.type == "cuda")
     gpu_math(rt.device, tf32=cfg.tf32, deterministic=cfg.deterministic)
     banner(rt.env, rt.device, rt.backend)

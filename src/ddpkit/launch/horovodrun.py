@@ -1,4 +1,4 @@
-"""Run ``argv`` under ``horovodrun`` on this host: how ``ddpkit train --strategy horovod`` starts
+"""Run ``argv`` under ``horovodrun`` on this host: how ``ddpkit train --engine horovod`` starts
 its workers (gloo controller, loopback, one line naming the failed rank).
 """
 from __future__ import annotations
