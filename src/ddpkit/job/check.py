@@ -179,6 +179,8 @@ def check_batch_fits(cfg: TrainConfig, samples: int, world_size: int = 1) -> Non
 # The keys that decide what a checkpoint's weights and data position mean (the seed: the order
 # the data is shuffled in, so where in it the checkpoint stands).
 _RUN_KEYS = ("model", "data", "context", "seed")
+# What the job's checkpoints hold beside "model" (a user's {"model": ..., "epoch": 3} is not one).
+_OWN_KEYS = ("progress", "config", "meta")
 # Keys whose change on resume is no change to the run's course: not worth a note.
 _QUIET_KEYS = ("resume", "output", "progress", "nproc")
 
@@ -214,7 +216,7 @@ def check_resume(cfg: TrainConfig) -> None:
     with warnings.catch_warnings():  # torn checkpoints are skipped (and said) by the workers
         warnings.simplefilter("ignore")
         found = resolve_resume(cfg.resume, os.path.join(cfg.output, "checkpoints"))
-    if found and not ("model" in found[1] and "progress" in found[1]):
+    if found and not ("model" in found[1] and any(k in found[1] for k in _OWN_KEYS)):
         raise ConfigError(f"--resume {cfg.resume}: {found[0]} is not a checkpoint of ddpkit "
                           f"train ({describe_foreign(found[1])}); --resume continues a run from "
                           "its own checkpoints (runs/NAME/checkpoints/ckpt-*.pt). Nothing was "
