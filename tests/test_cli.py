@@ -110,6 +110,9 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
     (["train", "--nproc", "0"], "--nproc (nproc) must be a positive integer or 'auto', got '0'"),
     (["train", "--accelerator", "cuda"], "--accelerator cuda: no CUDA device is visible"),
     (["run", "--backend", "glo", "examples/train_ddpkit.py"], "--backend 'glo' is not a backend"),
+    (["plan", "--params", "-5", "--compute-ms", "10"], "--params must be a parameter count >= 1"),
+    (["plan", "--params", "nan", "--compute-ms", "10"], "--params must be a parameter count >= 1"),
+    (["plan", "--params", "1e6", "--compute-ms", "inf"], "--compute-ms must be a number > 0"),
     (["verify", "--backend", "glo", "examples/train_ddpkit.py"], "--backend 'glo' is not a backend"),
 ])
 def test_bad_input_gives_one_error_line(args, message):

@@ -195,3 +195,20 @@ def test_a_new_seed_on_resume_is_refused_before_writing_and_other_changes_are_sa
     assert res.returncode == 0, res.stderr[-2000:]
     assert "with changes from the run that wrote it: epochs 1 -> 2, lr 0.05 -> 0.1, max_steps " \
            "3 -> None" in res.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_first_seconds_of_train_is_one_line(tmp_path):
+    # while torch loads, the flags are read, the workers start: once a 10-30 line traceback
+    import signal
+    import time
+    for i, after in enumerate((0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5)):
+        proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--output",
+                                 str(tmp_path / str(i))], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(after)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=120)
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert proc.returncode == 130 and len(lines) == 1, (after, err[-2000:])
+        assert "interrupted" in lines[0] and "Traceback" not in err

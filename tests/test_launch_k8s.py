@@ -110,6 +110,9 @@ def test_yaml_strings_read_back_as_the_same_strings(text):
     (dict(nodes=0), "--nodes must be an integer >= 1"),
     (dict(image=None), "--image is required"),
     (dict(image=""), "--gpus-per-node 8 needs one with CUDA"),
+    (dict(image="BAD!!img::"), "--image 'BAD!!img::' is not a container image reference"),
+    (dict(image="my image"), "--image 'my image' is not a container image reference"),
+    (dict(image="Me/Train:1"), "the name in lower case"),
     (dict(name="My_Job"), "--name 'My_Job' is not a valid Kubernetes name"),
     (dict(name="x" * 60), "at most 52 characters"),
     (dict(namespace="Team A"), "--namespace 'Team A' is not a valid Kubernetes name"),
@@ -135,7 +138,8 @@ def test_the_cli_prints_the_yaml_and_bad_input_is_one_error_line(tmp_path):
     for args, words in ((["--nodes", "0", "--image", "i"], "--nodes must be an integer >= 1"),
                         (["--gpus-per-node", "4"], "--image is required"),
                         (["--image", "i", "--name", "Bad.Name"], "not a valid Kubernetes name"),
-                        (["--image", "i", "--grace-period", "3"], "--grace-period must be")):
+                        (["--image", "i", "--grace-period", "3"], "--grace-period must be"),
+                        (["--image", "BAD!!img::"], "is not a container image reference")):
         bad = subprocess.run([sys.executable, "-m", "ddpkit", "k8s", *args, "train.py"],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and bad.stdout == ""

@@ -14,24 +14,34 @@ products above it in :mod:`ddpkit.launch`, :mod:`ddpkit.job`, :mod:`ddpkit.bench
 """
 from __future__ import annotations
 
-from .accumulate import Accumulator
-from .errors import ConfigError, DDPKitError
-from .evaluate import evaluate
-from .launch.spawn import launch
-from .loop import CheckpointPolicy, FitConfig, Hook, fit
-from .precision import Precision
-from .checkpoint.checkpointer import Checkpointer
-from .runtime import Runtime, setup
-from .wrap import unwrap
+import os as _os
+import sys as _sys
 
-# Also importable from here, as before the API was narrowed; their home (and documentation) is
-# the module named: rank utilities in ddpkit.comm (also methods of Runtime), loaders in
-# ddpkit.data.loader, the cluster environment in ddpkit.env.detect, seeding in ddpkit.seed.
-from .comm import (barrier, broadcast_object, gather_object, is_main,  # noqa: F401  isort: skip
-                   main_process_first, print0, reduce)
-from .data.loader import DistributedLoader, make_loader  # noqa: F401  isort: skip
-from .env.detect import ClusterEnv, detect  # noqa: F401  isort: skip
-from .seed import seed_everything  # noqa: F401  isort: skip
+try:
+    from .accumulate import Accumulator
+    from .errors import ConfigError, DDPKitError
+    from .evaluate import evaluate
+    from .launch.spawn import launch
+    from .loop import CheckpointPolicy, FitConfig, Hook, fit
+    from .precision import Precision
+    from .checkpoint.checkpointer import Checkpointer
+    from .runtime import Runtime, setup
+    from .wrap import unwrap
+
+    # Also importable from here, as before the API was narrowed; their home (and documentation) is
+    # the module named: rank utilities in ddpkit.comm (also methods of Runtime), loaders in
+    # ddpkit.data.loader, the cluster environment in ddpkit.env.detect, seeding in ddpkit.seed.
+    from .comm import (barrier, broadcast_object, gather_object, is_main,  # noqa: F401  isort: skip
+                       main_process_first, print0, reduce)
+    from .data.loader import DistributedLoader, make_loader  # noqa: F401  isort: skip
+    from .env.detect import ClusterEnv, detect  # noqa: F401  isort: skip
+    from .seed import seed_everything  # noqa: F401  isort: skip
+except KeyboardInterrupt:  # Ctrl-C while torch loads (the first seconds of a command)
+    if _sys.argv[:1] != ["-m"] and _os.path.basename(_sys.argv[0] if _sys.argv else "") != "ddpkit":
+        raise  # a user's script or notebook: theirs to handle
+    if not _os.environ.get("DDPKIT_LAUNCHER_PID"):  # a worker: its launcher says it
+        _sys.stderr.write("interrupted\n")  # the `ddpkit` command: one line, not a traceback
+    _os._exit(130)
 
 from .version import __version__  # noqa: E402  isort: skip
 

@@ -72,6 +72,9 @@ def entry() -> None:
 
     try:
         code = main()
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (parsing the flags)
+        print("interrupted", file=sys.stderr, flush=True)
+        code = 130
     except SystemExit as exc:  # argparse's --help / usage errors
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
         if exc.code is not None and not isinstance(exc.code, int):

@@ -3,6 +3,7 @@ hook, and the recommendation (``ddpkit.plan``)."""
 from __future__ import annotations
 
 import argparse
+import math
 import dataclasses
 import json
 import os
@@ -112,8 +113,11 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--host-ranks {host} is fewer than the node's own ranks (--nproc "
                           f"{per_node}): give at least {per_node}")
     compute = ns.compute_ms / 1e3 if ns.compute_ms is not None else None
-    if compute is not None and compute <= 0:
-        raise ConfigError(f"--compute-ms must be > 0, got {ns.compute_ms:g}")
+    if compute is not None and not 0 < compute < math.inf:
+        raise ConfigError(f"--compute-ms must be a number > 0, got {ns.compute_ms:g}")
+    if ns.params is not None and not 1 <= ns.params < math.inf:
+        raise ConfigError(f"--params must be a parameter count >= 1 (e.g. 25e6), got "
+                          f"{ns.params:g}")
     with using_threads(rank_threads(host)):   # all of it as one rank of the job runs
         work, measured = _measure(ns, compute, per_node, host)
         flops = measure_flops()

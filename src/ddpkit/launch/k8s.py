@@ -29,6 +29,15 @@ _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _QUANTITY = re.compile(r"^(\d+(\.\d+)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE]\d+)?$")
 
 
+#: A container image reference, as the OCI distribution spec's grammar has it: an optional
+#: registry host (and port), lower-case path components, an optional tag and digest.
+_IMAGE = re.compile(
+    r"(?:(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?/)?"                         # registry[:port]/
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"  # name
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"                    # :tag
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9A-Fa-f]{32,})?")  # @digest
+
 @dataclass(frozen=True)
 class K8sJob:
     """What ``ddpkit k8s`` was asked for.
@@ -63,11 +72,15 @@ class K8sJob:
                                  self.gpus_per_node, 0), ("--max-restarts", self.max_restarts, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{what} must be an integer >= {low}, got {value!r}")
-        if not isinstance(self.image, str) or not self.image.strip() or " " in self.image:
+        if not isinstance(self.image, str) or not self.image.strip():
             hint = (f" (--gpus-per-node {self.gpus_per_node} needs one with CUDA and ddpkit)"
                     if self.gpus_per_node else "")
             raise ConfigError(f"--image is required: the container image with torch and ddpkit "
                               f"installed that every pod runs{hint}")
+        if not _IMAGE.fullmatch(self.image):
+            raise ConfigError(f"--image {self.image!r} is not a container image reference: "
+                              "[REGISTRY[:PORT]/]NAME[:TAG][@sha256:DIGEST], the name in lower "
+                              "case (e.g. ghcr.io/me/train:1)")
         _check_name("--name", self.name, 52)   # pods are NAME-INDEX; Job names leave room
         if self.namespace is not None:
             _check_name("--namespace", self.namespace, 63)
