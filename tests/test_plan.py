@@ -169,7 +169,7 @@ def test_plan_on_the_command_line(tmp_path, capsys):
     (["--params", "1e6"], "--params needs --compute-ms"),
     (["--params", "1e6", "--compute-ms", "5", "--link", "56k"], "--link '56k'"),
     (["--params", "1e6", "--compute-ms", "5", "--nodes", "0,2"], "--nodes '0,2'"),
-    (["--params", "1e6", "--compute-ms", "-1"], "--compute-ms must be > 0"),
+    (["--params", "1e6", "--compute-ms", "-1"], "--compute-ms must be a number > 0"),
     (["--model", "alexnet9"], "unknown model"),
     (["--input-shape", "3,32"], "--input-shape '3,32'"),
     (["--nproc", "none"], "--nproc 'none'"),
