@@ -164,6 +164,16 @@ def test_two_jobs_on_one_machine_at_once(tmp_path):
         assert "sum 2.0" in out
 
 
+def test_a_ranks_config_error_is_not_restarted(tmp_path):
+    script = tmp_path / "backend.py"
+    script.write_text("import ddpkit\nddpkit.setup(backend='nccl')\n")
+    res = ddpkit("run", "--nproc", "2", "--max-restarts", "2", str(script))
+    assert res.returncode == 2
+    assert error_lines(res.stderr) == ["error: backend 'nccl' needs CUDA devices but this process "
+                                       "runs on CPU; use --backend gloo (or leave it unset)"]
+    assert "restarting" not in res.stderr and "ddpkit run: rank" not in res.stderr
+
+
 def test_unknown_backend_in_worker_is_one_line(tmp_path):
     script = tmp_path / "backend.py"
     script.write_text("import ddpkit\nddpkit.setup(backend='nccl')\n")

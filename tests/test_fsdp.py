@@ -2,6 +2,7 @@
 process, sharded checkpoints that resume exactly, on another world size, and across engines."""
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,6 +118,19 @@ def test_consolidate_writes_a_plain_state_dict(tmp_path, fsdp_reference):
     plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     for a, b in zip(plain.parameters(), fsdp_reference["params"]):
         assert torch.equal(a.detach(), b)
+
+
+@pytest.mark.parametrize("what,said", [
+    ("missing", "does not exist; give a sharded checkpoint's file"),
+    ("plain", "is not a sharded checkpoint (no plain.shards/ with DCP metadata)"),
+])
+def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path, what, said):
+    from ddpkit.checkpoint.sharded import consolidate
+    path = tmp_path / f"{what}.pt"
+    if what == "plain":
+        torch.save({"model": {}}, path)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        consolidate(path, tmp_path / "out.pt")
 
 
 def test_train_job_with_fsdp(tmp_path):

@@ -58,3 +58,25 @@ def test_the_failure_named_is_the_cause_not_a_consequence(failures, first):
     from ddpkit.launch.restarts import first_failure as _first_failure
 
     assert _first_failure(failures)[0] == first
+
+
+@pytest.mark.parametrize("failure, one_line", [
+    (_failure(2, recorded=True), True),    # a ddpkit error: its `error:` line says it all
+    (_failure(2), False),                  # exit 2 without a recorded error (argparse, sys.exit)
+    (_failure(1, recorded=True), False),   # a traceback: the launcher names the rank
+    (_failure(-9), False),
+])
+def test_a_ranks_one_line_error_gets_no_second_line_from_the_launcher(failure, one_line):
+    from ddpkit.launch.restarts import said_in_one_line
+
+    assert said_in_one_line(failure) == one_line
+
+
+def test_sigabrt_points_at_what_the_rank_printed():
+    import signal
+
+    from ddpkit.launch.restarts import how
+
+    said = how(_failure(-signal.SIGABRT))
+    assert "its own message, if it printed one, is above" in said
+    assert "collective mismatch" in said and "killed from outside" not in said

@@ -100,15 +100,18 @@ def test_single_process_keeps_weights():
     torch.manual_seed(0)
     m = Net()
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    out = wrap_model(m, ClusterEnv(), CPU, "ddp", WrapOptions(sync_bn=True, comm_hook="fp16"))
+    out = wrap_model(m, ClusterEnv(), CPU, "ddp", WrapOptions(comm_hook="fp16"))
     after = out.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_sync_bn_not_applied_in_single_process():
-    out = wrap_model(Net(), ClusterEnv(), CPU, "ddp", WrapOptions(sync_bn=True))
-    assert type(out.bn) is nn.BatchNorm2d
+def test_sync_bn_on_cpu_is_refused_on_one_process_as_on_n():
+    # once accepted silently on 1 process while 2 processes failed
+    with pytest.raises(ConfigError, match=r"SyncBatchNorm needs GPUs.*sync_bn=True \(rt.wrap\)"):
+        wrap_model(Net(), ClusterEnv(), CPU, "ddp", WrapOptions(sync_bn=True))
+    out = wrap_model(Net(), ClusterEnv(), torch.device("meta"), "ddp", WrapOptions(sync_bn=True))
+    assert type(out.bn) is nn.BatchNorm2d  # one process on a device: nothing to synchronise
 
 
 def test_sync_bn_not_applied_without_ddp():

@@ -219,6 +219,9 @@ def consolidate(checkpoint: PathLike, out: PathLike) -> Path:
 
     path = Path(checkpoint).expanduser()
     shards = path if path.suffix == ".shards" else path.with_suffix(".shards")
+    if not path.exists() and not shards.exists():
+        raise ConfigError(f"{checkpoint} does not exist; give a sharded checkpoint's file "
+                          "(runs/NAME/checkpoints/ckpt-*.pt, beside its .shards/ folder)")
     if not (shards / ".metadata").is_file():
         raise ConfigError(f"{checkpoint} is not a sharded checkpoint (no {shards.name}/ with "
                           "DCP metadata); plain checkpoints need no consolidation")

@@ -41,10 +41,11 @@ class DDPEngine(Engine):
 
     def wrap(self, model: nn.Module, env: ClusterEnv, device: torch.device,
              options: WrapOptions) -> nn.Module:
+        if options.sync_bn and device.type == "cpu":  # on 1 process as on N: the same answer
+            raise ConfigError("SyncBatchNorm needs GPUs: PyTorch's SyncBatchNorm and DDP refuse "
+                              "CPU modules; leave out sync_bn=True (rt.wrap) / --sync-bn "
+                              "(ddpkit train) when training on CPU")
         if options.sync_bn and env.is_distributed:
-            if device.type == "cpu":
-                raise ConfigError("SyncBatchNorm needs GPUs: PyTorch's SyncBatchNorm and DDP "
-                                  "refuse CPU modules; drop --sync-bn when training on CPU")
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(device)
         if not env.is_distributed:

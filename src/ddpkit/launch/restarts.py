@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Tuple
 from ..faults.crash import PEER_LOSS_SUFFIX
 from ..faults.stops import STOP_SIGNALS, signal_name
 
-__all__ = ["how", "first_failure", "naming_restarts"]
+__all__ = ["how", "said_in_one_line", "first_failure", "naming_restarts"]
 
 
 def how(failure: Any, restarting: bool = False) -> str:
@@ -21,12 +21,27 @@ def how(failure: Any, restarting: bool = False) -> str:
     ``restarting``: a rank that only lost a peer has said nothing (ddpkit.faults.crash), so say so."""
     if isinstance(failure.error_file_data.get("message"), dict):
         return f"exit code {failure.exitcode}; its error is printed above"
+    if failure.exitcode == -signal.SIGABRT:  # aborted by native code, which may have said why
+        return ("killed by SIGABRT: a crash in native code; its own message, if it printed one, "
+                "is above (gloo's 'collective mismatch': the ranks called different collectives, "
+                "e.g. one under `if rank == 0:`)")
     if failure.exitcode < 0:
         return (f"killed by {signal_name(-failure.exitcode)}; it printed no error: killed from "
                 "outside, out of memory, or a crash in native code")
     if restarting:
         return f"exit code {failure.exitcode}; it lost a peer on another node, or see its output"
     return f"exit code {failure.exitcode}; see its output above"
+
+
+def said_in_one_line(failure: Any) -> bool:
+    """Whether the failed rank's own ``error:`` line already says everything: a ddpkit error
+    (exit code 2, recorded in torchrun's error file) needs no second line from the launcher.
+
+    Example::
+
+        if not said_in_one_line(failure): print(f"ddpkit run: rank 0 failed ({how(failure)})")
+    """
+    return failure.exitcode == 2 and isinstance(failure.error_file_data.get("message"), dict)
 
 
 def first_failure(failures: dict) -> Tuple[int, Any]:
@@ -100,7 +115,9 @@ def _peer_loss(failure: Any, error_file: Optional[str]) -> Optional[str]:
 def naming_restarts() -> Iterator[None]:
     """While the agent runs: one line each time it restarts the group after a failure, naming
     the rank and how it failed (the agent restarts silently with its logs quiet). The agent
-    does not hand the failure to its restart, so its last observation is kept on the agent."""
+    does not hand the failure to its restart, so its last observation is kept on the agent.
+    A rank's ddpkit error (one ``error:`` line, exit code 2: bad input) is not restarted: it
+    would only be printed again."""
     try:
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -110,8 +127,11 @@ def naming_restarts() -> Iterator[None]:
         return
 
     def monitored(agent: Any, group: Any) -> Any:
-        agent._ddpkit_seen = monitor(agent, group)
-        return agent._ddpkit_seen
+        agent._ddpkit_seen = seen = monitor(agent, group)
+        if seen.state == WorkerState.FAILED and any(
+                said_in_one_line(f) for f in (seen.failures or {}).values()):
+            agent._remaining_restarts = 0  # a ddpkit error (bad input) would only come back
+        return seen
 
     def restarted(agent: Any, group: Any) -> None:
         with contextlib.suppress(Exception):  # naming it must never stop the restart itself

@@ -327,8 +327,9 @@ def run(cfg: RunConfig) -> int:
             return _stopped(cfg, stopped)
         rank, failure = _root_cause(exc)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        print(f"ddpkit run: rank {rank} failed ({restarts.how(failure)})", flush=True,
-              file=sys.stderr)
+        if not restarts.said_in_one_line(failure):  # else its `error:` line says it all
+            print(f"ddpkit run: rank {rank} failed ({restarts.how(failure)})", flush=True,
+                  file=sys.stderr)
         return code
     except Exception as exc:
         if cfg.nnodes <= 1:
