@@ -164,6 +164,18 @@ def test_two_jobs_on_one_machine_at_once(tmp_path):
         assert "sum 2.0" in out
 
 
+def test_run_timeout_names_a_stuck_rank_that_soon(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text("import time, torch, torch.distributed as dist, ddpkit\n"
+                      "rt = ddpkit.setup()\nif rt.rank == 1:\n    time.sleep(120)\n"
+                      "dist.all_reduce(torch.ones(1))\n")
+    res = ddpkit("run", "--nproc", "2", "--timeout", "5", str(script), timeout=100)
+    assert res.returncode == 1
+    assert "collective all_reduce timed out after 5 s" in res.stderr
+    assert "rank 1 did not arrive" in res.stderr, res.stderr[-2000:]
+    assert ddpkit("run", "--timeout", "0", str(script)).returncode == 2
+
+
 def test_a_ranks_config_error_is_not_restarted(tmp_path):
     script = tmp_path / "backend.py"
     script.write_text("import ddpkit\nddpkit.setup(backend='nccl')\n")

@@ -23,7 +23,7 @@ from .data.batches import to_device
 from .faults.crash import install_error_hook
 from .data.loader import DistributedLoader, make_loader
 from .env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
-from .env.detect import BACKEND_VAR, ClusterEnv
+from .env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
 from .evaluate import evaluate
 from .faults.hangs import Progress
 from .checkpoint.checkpointer import Checkpointer
@@ -209,7 +209,7 @@ def _rank_hint(environ: Mapping[str, str]) -> int:
 
 
 def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
-          timeout: timedelta = DEFAULT_TIMEOUT, accelerator: str = "auto",
+          timeout: Optional[timedelta] = None, accelerator: str = "auto",
           seed: Optional[int] = None, deterministic: bool = False,
           env: Optional[ClusterEnv] = None, expected_world_size: Optional[int] = None,
           argv: Optional[Sequence[str]] = None, engine: str = "auto") -> Runtime:
@@ -217,7 +217,9 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
 
     Works unchanged under torchrun / ``ddpkit run``, Slurm ``srun``, :func:`ddpkit.launch` and a
     plain ``python script.py`` (one process, no process group). Idempotent. ``backend`` defaults to
-    ``DDPKIT_BACKEND`` (``ddpkit run --backend``), else NCCL on GPUs and gloo on CPUs. ``engine`` is
+    ``DDPKIT_BACKEND`` (``ddpkit run --backend``), else NCCL on GPUs and gloo on CPUs;
+    ``timeout`` (a collective's) to ``DDPKIT_TIMEOUT`` seconds (``ddpkit run --timeout``), else
+    10 minutes. ``engine`` is
     ``auto`` (Horovod under ``horovodrun``, else DDP), ``ddp``, ``dp``, ``horovod`` or ``none``:
     see :mod:`ddpkit.engines`.
 
@@ -236,6 +238,9 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     install_error_hook(env.rank, stops=stops)  # before init: a bad backend is one line as well
     comm.install_rank_warnings(env.rank)
     backend = backend or os.environ.get(BACKEND_VAR) or None  # `ddpkit run --backend`
+    if timeout is None:  # `ddpkit run --timeout`, else 10 minutes
+        seconds = os.environ.get(TIMEOUT_VAR)
+        timeout = timedelta(seconds=float(seconds)) if seconds else DEFAULT_TIMEOUT
     device = select_device(env, accelerator, backend=backend)
     threads = cpu_threads_per_process(env) if device.type == "cpu" else None
     if threads:

@@ -8,12 +8,12 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
-from ..env.detect import BACKEND_VAR
+from ..env.detect import BACKEND_VAR, TIMEOUT_VAR
 from ..env.dist import BACKENDS
 from ..env.k8s import pod_launch
 from ..launch.torchrun import RunConfig
 
-__all__ = ["add_launch_flags", "pass_backend", "run_config", "parse_nnodes", "from_pod"]
+__all__ = ["add_launch_flags", "pass_backend", "pass_timeout", "run_config", "parse_nnodes", "from_pod"]
 
 # (flags, argparse keywords): the RunConfig field is the dest.
 _LAUNCH_FLAGS = (
@@ -79,6 +79,21 @@ def pass_backend(backend: Optional[str]) -> None:
             raise ConfigError(f"--backend {backend!r} is not a backend; use one of "
                               f"{', '.join(BACKENDS)}, or leave it out for the automatic choice")
         os.environ[BACKEND_VAR] = backend
+
+
+def pass_timeout(seconds: Optional[float]) -> None:
+    """Hand ``--timeout`` (a collective's, in seconds) to the ranks' ``ddpkit.setup()``
+    (``DDPKIT_TIMEOUT``); one line for a value that is not a positive number.
+
+    Example::
+
+        pass_timeout(120)   # a stuck rank is reported after 2 minutes, not 10
+    """
+    if seconds is None:
+        return
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"--timeout must be a number of seconds > 0, got {seconds:g}")
+    os.environ[TIMEOUT_VAR] = repr(float(seconds))
 
 
 def run_config(ns: argparse.Namespace, script: str, script_args: Optional[List[str]] = None,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .flags import add_launch_flags, pass_backend, run_config
+from .flags import add_launch_flags, pass_backend, pass_timeout, run_config
 
 __all__ = ["add_parser"]
 
@@ -24,6 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default=None,
                    help="process group backend of the script's ddpkit.setup() (default: nccl on "
                         "GPUs, gloo on CPUs; gloo lets several processes share one GPU)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="seconds a collective waits for every rank before the stuck one is "
+                        "named and the job stops (default 600; the script's "
+                        "ddpkit.setup(timeout=) wins)")
     add_launch_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", nargs="?", help="the training script (or module with -m)")
@@ -39,4 +43,5 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         raise ConfigError("a script is required: ddpkit run [--nproc N] SCRIPT [ARGS...]")
 
     pass_backend(ns.backend)
+    pass_timeout(ns.timeout)
     return run(run_config(ns, ns.script, ns.script_args, nproc=ns.nproc, module=ns.module))

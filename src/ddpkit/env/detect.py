@@ -13,12 +13,16 @@ from .k8s import PodLaunch, pod_launch
 from .slurm import (first_host, parse_tasks_per_node, port_from_job_id, step_id,
                         step_tasks_per_node)
 
-__all__ = ["ClusterEnv", "detect", "spawn_env", "to_environ", "JOIN_TIMEOUT_VAR", "BACKEND_VAR"]
+__all__ = ["ClusterEnv", "detect", "spawn_env", "to_environ", "JOIN_TIMEOUT_VAR", "BACKEND_VAR",
+           "TIMEOUT_VAR"]
 
 #: The process group backend for ``ddpkit.setup()`` calls that name none (``ddpkit run
 #: --backend``, ``ddpkit verify --backend`` set it for their ranks): ``gloo`` lets the ranks of
 #: one node share its GPU(s), for testing.
 BACKEND_VAR = "DDPKIT_BACKEND"
+#: Seconds a collective may wait for ``ddpkit.setup()`` calls that name no timeout (``ddpkit run
+#: --timeout`` sets it for its ranks).
+TIMEOUT_VAR = "DDPKIT_TIMEOUT"
 
 #: Seconds processes that no launcher vouches for wait for each other at start-up (see
 #: :attr:`ClusterEnv.vouched`); ``ddpkit.env.dist`` uses 60 s (or less, with a shorter timeout).
