@@ -53,7 +53,7 @@ def test_ddpkit_train_on_a_full_disk_is_one_line_and_resumes_from_the_newest_che
         small_disk):
     out = small_disk / "run"
     res = _ddpkit("train", "--nproc", "2", "--epochs", "1", "--ckpt-every-steps", "3",
-                  "--max-steps", "20", "--output", str(out))
+                  "--ckpt-keep", "4", "--max-steps", "20", "--output", str(out))
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith(("error:", "[rank"))]
@@ -63,6 +63,7 @@ def test_ddpkit_train_on_a_full_disk_is_one_line_and_resumes_from_the_newest_che
     assert errors[0].startswith("error: no space left on the device: checkpoint "
                                 f"{out}/checkpoints/{failed} needs about "), errors[0]
     assert f"the newest intact checkpoint is {newest}" in errors[0]
+    assert "or keep fewer checkpoints: keep=3 / --ckpt-keep 3 holds 3 on disk" in errors[0]
     assert errors[0].endswith(f"resume with `ddpkit train --config {out}/config.json "
                               "--resume auto`")
     leftovers = [p.name for p in out.rglob("*") if p.name.endswith(".tmp") or failed in p.name]
@@ -78,6 +79,19 @@ def test_ddpkit_train_on_a_full_disk_is_one_line_and_resumes_from_the_newest_che
                   "--max-steps", str(step + 3))
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed from {newest}" in res.stdout
+
+
+def test_keeping_fewer_checkpoints_takes_less_disk_as_the_advice_says(small_disk):
+    # once pruned only after a successful save: keep 2 and 1 failed like 3; now the older ones
+    # go first (the newest complete one stays), so keep 3 fits 1 MB (and the advice holds)
+    for keep in ("3", "2", "1"):
+        out = small_disk / f"run{keep}"
+        res = _ddpkit("train", "--nproc", "2", "--epochs", "1", "--ckpt-every-steps", "3",
+                      "--ckpt-keep", keep, "--max-steps", "20", "--output", str(out))
+        assert res.returncode == 0, (keep, res.stderr[-3000:])
+        kept = sorted((out / "checkpoints").glob("ckpt-*.pt"))
+        assert len(kept) == int(keep) and kept[-1].name == "ckpt-000000020.pt", kept
+        shutil.rmtree(out)
 
 
 @contextlib.contextmanager

@@ -79,6 +79,9 @@ def _save_on_main(state: Dict[str, Any], directory: Path, step: int, keep: int) 
     try:
         directory.mkdir(parents=True, exist_ok=True)
         previous = _newest(directory)
+        # Room first: keep-K holds at most max(K, 2) files while the next is written (the
+        # newest complete one always stays), so keeping fewer really takes less disk.
+        _prune(directory, final, max(keep, 2))
         atomic_write(final, lambda f: torch.save(state, f),
                      verify=lambda tmp: _refuse_unloadable(tmp, state))
         _point_to(final)

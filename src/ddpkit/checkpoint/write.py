@@ -155,7 +155,8 @@ def no_space(err: OSError, what: str, directory: Path, needed: int,
     """
     kept = (f"the newest intact checkpoint is {newest}" if newest is not None
             else "there is no earlier checkpoint")
-    fewer = f" (or keep fewer than {keep} checkpoints)" if keep > 1 else ""
+    fewer = (f" (or keep fewer checkpoints: keep={keep - 1} / --ckpt-keep {keep - 1} holds "
+             f"{keep - 1} on disk while the next is written, {keep} now)" if keep > 2 else "")
     return (f"{_NO_ROOM.get(err.errno or 0, err.strerror or str(err))}: {what} needs about "
             f"{_size(needed)}{_free(directory)}; the partial write was removed and {kept}; "
             f"free space{fewer}, then {resume_advice()}")
