@@ -181,6 +181,14 @@ def test_a_resume_on_another_world_size_says_how_the_global_batch_is_split():
     assert line == ("resumed at step 14 on 2 processes (the checkpoint was written by 3); each "
                     "batch still spans 12 samples: 6 a rank, was 4; the epoch goes on with every "
                     "sample once; each rank's random stream starts afresh")
+    assert world_change_line(3, 2, 14, loader, saved_batch=12) == line
+
+
+def test_a_resume_with_another_global_batch_says_both():
+    # once: "each batch still spans 18 samples: 6 a rank, was 9" when it had been 16 and 8
+    loader = type("Loader", (), {"batch_size": 6})()
+    line = world_change_line(2, 3, 9, loader, saved_batch=16)
+    assert "each batch now spans 18 samples (6 a rank), was 16 (8 a rank)" in line
 
 
 def test_a_resume_on_another_world_size_warns_about_batchnorm():

@@ -212,3 +212,25 @@ def test_ctrl_c_in_the_first_seconds_of_train_is_one_line(tmp_path):
         lines = [l for l in err.splitlines() if l.strip()]
         assert proc.returncode == 130 and len(lines) == 1, (after, err[-2000:])
         assert "interrupted" in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_an_epoch_resumed_mid_way_reports_all_of_it(tmp_path):
+    # once: the resumed epoch's loss and sample count covered only the steps after the resume
+    common = ["--nproc", "2", "--data", "synthetic", "--synthetic-samples", "512",
+              "--batch-size", "32", "--epochs", "2", "--ckpt-every-steps", "4", "--no-progress"]
+
+    def epochs(out):
+        with open(out / "metrics.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        return [(r["epoch"], r["train/loss"], r["train/samples"]) for r in rows
+                if "train/samples" in r and "stopped_at_step" not in r]
+
+    assert ddpkit("train", *common, "--output", str(tmp_path / "whole")).returncode == 0
+    cut = tmp_path / "cut"
+    assert ddpkit("train", *common, "--max-steps", "10", "--output", str(cut)).returncode == 0
+    res = ddpkit("train", *common, "--resume", "auto", "--output", str(cut))
+    assert res.returncode == 0 and "mid-epoch" in res.stdout, res.stderr[-2000:]
+    whole = epochs(tmp_path / "whole")
+    assert [e[2] for e in whole] == [512, 512]
+    assert epochs(cut) == whole  # the same losses, bitwise, and every sample counted

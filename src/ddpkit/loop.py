@@ -51,8 +51,10 @@ class _Fit:
         # This optimizer step's [loss sum, samples] over its micro-batches, on the device; the
         # reduction over ranks runs behind the optimizer step on the steps whose loss is read.
         self._window = torch.zeros(2, dtype=torch.float64, device=rt.device)
-        # The epoch's [loss sum, samples] over the steps taken, and all its samples
-        self._epoch_sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+        # The epoch's [loss sum, samples] over the steps taken, all its samples, and the samples
+        # this run trained (a resumed epoch's first three come back from its checkpoint)
+        self._epoch_sums = torch.zeros(4, dtype=torch.float64, device=rt.device)
+        self._carried: Optional[Dict[str, Any]] = None  # from the checkpoint, for its epoch
         self._epoch_steps = [0, 0]  # [optimizer steps, of them skipped (NaN/inf gradients)]
         self._pending: Any = None
         self._hooks_anywhere = False  # settled by every rank when the run starts
@@ -65,7 +67,8 @@ class _Fit:
         ckpt = Checkpointer(
             self.rt, p.directory if p else None, model=self.model, optimizer=self.optimizer,
             scheduler=self.cfg.scheduler, precision=self.precision, loader=self.loader,
-            extra={"history": self.state.history, "best": best}, every_epoch=False,
+            extra={"history": self.state.history, "best": best, "epoch_sums": _EpochSums(self)},
+            every_epoch=False,
             every_steps=p.every_steps if p else 0, every_minutes=p.every_minutes if p else 0.0,
             keep=p.keep if p else 3, resume=p.resume if p else None, config=self.cfg.config)
         if ckpt.resumed:  # the history list was restored in place
@@ -140,6 +143,11 @@ class _Fit:
         self.model.train()
         self._epoch_sums.zero_()  # on the device: no per-step sync
         self._epoch_steps = [0, 0]
+        carried, self._carried = self._carried, None
+        if carried and carried["epoch"] == self.state.epoch and self.rt.rank == 0:
+            # resumed mid-epoch: the epoch's line covers the steps before the resume too
+            self._epoch_sums[:3] += torch.tensor(carried["sums"], dtype=torch.float64,
+                                                 device=self.rt.device)
         start = time.perf_counter()
         bar = progress(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
                        self.cfg.progress, self.loader.batch_size * self.rt.world_size)
@@ -164,7 +172,7 @@ class _Fit:
         # An epoch's micro-batches all end in a step; a skipped step's loss is not trained on
         if not self.acc.skipped:
             self._epoch_sums[:2] += self._window
-        self._epoch_sums[2] += self._window[1]
+        self._epoch_sums[2:] += self._window[1]
         self._window.zero_()
         self._epoch_steps[0] += 1
         self._epoch_steps[1] += int(self.acc.skipped)
@@ -204,7 +212,8 @@ class _Fit:
         taken, count = int(totals[1]), int(totals[2])
         steps, skipped = self._epoch_steps
         metrics = {"train/loss": float(totals[0]) / taken if taken else float("nan"),
-                   "train/samples": count, "train/samples_per_s": count / max(wall, 1e-9),
+                   "train/samples": count,
+                   "train/samples_per_s": float(totals[3]) / max(wall, 1e-9),  # this run's
                    "train/step_ms": 1000 * wall / max(steps, 1), "train/epoch_s": wall}
         if self.cfg.skip_nonfinite:  # the same on every rank: gradients were all-reduced
             metrics["train/skipped_steps"] = skipped
@@ -331,3 +340,24 @@ def fit(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
     elif options:
         config = dataclasses.replace(config, **options)
     return _Fit(rt, model, optimizer, loader, config).run()
+
+
+class _EpochSums:
+    """The running epoch's loss and sample sums over every rank, carried by a mid-epoch
+    checkpoint, so that the epoch a run resumes into reports all of it (its loss and sample
+    count), not only the steps after the resume. Saving sums them over the ranks (every rank
+    saves together); on resume rank 0 starts from them."""
+
+    def __init__(self, loop: "_Fit") -> None:
+        self.loop = loop
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        loop = self.loop
+        totals = comm.reduce(loop._epoch_sums[:3].clone(), "sum")  # a collective, on every rank
+        if loop.checkpoints is None or not loop.checkpoints.mid_epoch:
+            return None  # at an epoch's end the next one starts from nothing
+        return {"epoch": loop.state.epoch, "sums": [float(x) for x in totals.tolist()]}
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        self.loop._carried = state
+

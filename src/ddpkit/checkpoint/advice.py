@@ -86,9 +86,10 @@ def _duration(seconds: float) -> str:
 
 
 def world_change_line(before: Any, now: int, step: int, loader: Any = None,
-                      model: Any = None) -> str:
+                      model: Any = None, saved_batch: Any = None) -> str:
     """The line for a checkpoint resumed on another number of processes: the step, how the
-    global batch is split now, and what is not the same (random streams, BatchNorm).
+    global batch is split now (``saved_batch``: the checkpoint's, when it says), and what is not
+    the same (random streams, BatchNorm).
 
     Example::
 
@@ -99,10 +100,17 @@ def world_change_line(before: Any, now: int, step: int, loader: Any = None,
     per_rank = getattr(loader, "batch_size", None)
     if isinstance(per_rank, int):
         total = per_rank * now
-        was = f", was {total // before}" if isinstance(before, int) and before and \
-            total % before == 0 else ""
-        said.append(f"each batch still spans {total} samples: {per_rank} a rank{was}; the epoch "
-                    "goes on with every sample once")
+        saved = saved_batch if isinstance(saved_batch, int) else total  # older checkpoints
+        split = saved // before if isinstance(before, int) and before and \
+            saved % before == 0 else None
+        if saved == total:
+            said.append(f"each batch still spans {total} samples: {per_rank} a rank"
+                        f"{'' if split is None else f', was {split}'}; the epoch goes on with "
+                        "every sample once")
+        else:
+            said.append(f"each batch now spans {total} samples ({per_rank} a rank), was {saved}"
+                        f"{'' if split is None else f' ({split} a rank)'}; the epoch goes on "
+                        "with every sample once")
     said.append("each rank's random stream starts afresh")
     norms = _unsynced_batchnorm(model)
     if norms:

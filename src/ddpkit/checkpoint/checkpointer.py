@@ -260,6 +260,8 @@ class Checkpointer:
         _check_extra_names(self.extra)  # names may have been added since
         extras = {k: v.state_dict() if _stateful(v) else v for k, v in self.extra.items()}
         progress = {"epoch": self.epoch, "step": self.global_step, "mid_epoch": self.mid_epoch}
+        if isinstance(getattr(self.loader, "batch_size", None), int):  # said on another world size
+            progress["global_batch"] = self.loader.batch_size * self.rt.world_size
         return {**weights, **parts, **extras, "loader": loader, "progress": progress,
                 "extra_names": sorted(extras), "rng": comm.gather_object(rng_state()),
                 "world_size": self.rt.world_size, "config": self.config,
@@ -289,9 +291,10 @@ class Checkpointer:
         self._load_parts(ckpt)
         self._load_position(ckpt)
         self.resumed = chosen
-        where = f"epoch {self.epoch}, " if self.loader is not None else ""
-        comm.print0(f"resumed from {chosen} ({where}step {self.global_step}"
-                    f"{', mid-epoch' if self.mid_epoch else ''})")
+        # numbered as the stop line numbers it: "at step 9 (epoch 2)", epochs from 1
+        where = (f" (epoch {self.epoch + 1}{', mid-epoch' if self.mid_epoch else ''})"
+                 if self.loader is not None else "")
+        comm.print0(f"resumed from {chosen} at step {self.global_step}{where}")
         return chosen
 
     def _load_weights(self, ckpt: Dict[str, Any], path: Path) -> None:
@@ -336,7 +339,8 @@ class Checkpointer:
             set_rng_state(ckpt["rng"][self.rt.rank])
         else:
             comm.print0(world_change_line(ckpt.get("world_size"), self.rt.world_size,
-                                          self.global_step, self.loader, self.model))
+                                          self.global_step, self.loader, self.model,
+                                          ckpt["progress"].get("global_batch")))
 
 
 def _next_position(loader: Dict[str, Any], progress: Dict[str, Any]) -> Dict[str, Any]:
