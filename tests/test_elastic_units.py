@@ -12,9 +12,9 @@ from ddpkit.faults.crash import PEER_LOSS_SUFFIX, note_peer_loss
 from ddpkit.errors import ConfigError
 from ddpkit.job.check import check_every_world
 from ddpkit.job.config import TrainConfig
-from ddpkit.launch import elastic
-from ddpkit.launch.restarts import _peer_loss, _stopped_with_group
-from ddpkit.launch.torchrun import RunConfig
+from ddpkit.launchers import elastic
+from ddpkit.launchers.restarts import _peer_loss, _stopped_with_group
+from ddpkit.launchers.torchrun import RunConfig
 from ddpkit.checkpoint.advice import cadence_line, grace_line, restarts_allowed, world_change_line
 
 from test_launch_network import _cfg, fake_torchrun  # noqa: F401 (a fixture)
@@ -43,7 +43,7 @@ def test_only_a_range_with_room_is_elastic_and_it_restarts_by_default():
 
 
 def test_an_elastic_run_gives_torchrun_the_range_last_call_and_heartbeats(fake_torchrun):
-    from ddpkit.launch.torchrun import run
+    from ddpkit.launchers.torchrun import run
 
     assert run(_cfg(fake_torchrun, nnodes=3, min_nodes=2, rdzv_endpoint="127.0.0.1:29411",
                     rdzv_last_call=3.0)) == 0
@@ -56,7 +56,7 @@ def test_an_elastic_run_gives_torchrun_the_range_last_call_and_heartbeats(fake_t
 
 
 def test_an_elastic_run_defaults_the_last_call(fake_torchrun):
-    from ddpkit.launch.torchrun import run
+    from ddpkit.launchers.torchrun import run
 
     run(_cfg(fake_torchrun, nnodes=4, min_nodes=1, rdzv_endpoint="127.0.0.1:29411"))
     assert "last_call_timeout=10" in fake_torchrun["args"].rdzv_conf.split(",")
@@ -65,7 +65,7 @@ def test_an_elastic_run_defaults_the_last_call(fake_torchrun):
 def test_a_fixed_size_run_with_restarts_drops_a_gone_node_after_three_heartbeats(fake_torchrun):
     """A pod evicted, a node crashed: its replacement's round must not wait torch's 3 x 5 s for
     the old one's heartbeat to expire (measured: 15 s of a 17 s recovery)."""
-    from ddpkit.launch.torchrun import run
+    from ddpkit.launchers.torchrun import run
 
     run(_cfg(fake_torchrun, nnodes=2, max_restarts=3, rdzv_endpoint="127.0.0.1:29411"))
     conf = fake_torchrun["args"].rdzv_conf.split(",")

@@ -11,7 +11,7 @@ import torch
 
 from ddpkit.engines import horovod as horovod_engine
 from ddpkit.engines.horovod import HorovodEngine
-from ddpkit.launch import horovodrun as hvdrun
+from ddpkit.launchers import horovodrun as hvdrun
 from ddpkit.wrap import WrapOptions
 from ddpkit.checkpoint.files import find_latest
 from ddpkit.job.config import TrainConfig

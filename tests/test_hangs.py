@@ -11,29 +11,29 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from ddpkit.faults.hangs import Progress, _frames_to_show, python_stack
+from ddpkit.faults.hangs import Heartbeat, _frames_to_show, python_stack
 
 CLEAN = {k: v for k, v in os.environ.items()
          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
 
 
 class CountingStore(tdist.HashStore):
-    """An in-process store that counts the progress records written to it."""
+    """An in-process store that counts the heartbeat records written to it."""
 
     def __init__(self):
         super().__init__()
         self.writes = 0
 
     def set(self, key, value):
-        self.writes += key.startswith("ddpkit/progress/")
+        self.writes += key.startswith("ddpkit/heartbeat/")
         super().set(key, value)
 
 
 @pytest.fixture
 def watched():
-    progress = Progress(CountingStore(), rank=0, world_size=1, interval=0.0)
-    handle = progress.watch_optimizers()
-    yield progress
+    heartbeat = Heartbeat(CountingStore(), rank=0, world_size=1, interval=0.0)
+    handle = heartbeat.watch_optimizers()
+    yield heartbeat
     handle.remove()
 
 
@@ -87,7 +87,7 @@ def test_watching_twice_keeps_one_hook_and_the_newest_progress_counts(watched):
     optimizer = _sgd()
     optimizer.step()
     assert watched.last_step == 1  # counted once, not once per call
-    newer = Progress(None, rank=0, world_size=1)
+    newer = Heartbeat(None, rank=0, world_size=1)
     assert newer.watch_optimizers() is watched.watch_optimizers()
     newer.watch_optimizers()
     optimizer.step()
@@ -95,39 +95,39 @@ def test_watching_twice_keeps_one_hook_and_the_newest_progress_counts(watched):
 
 
 def test_a_removed_hook_is_registered_again():
-    progress = Progress(None, rank=0, world_size=1)
-    progress.watch_optimizers().remove()
-    handle = progress.watch_optimizers()
+    heartbeat = Heartbeat(None, rank=0, world_size=1)
+    heartbeat.watch_optimizers().remove()
+    handle = heartbeat.watch_optimizers()
     try:
         _sgd().step()
-        assert progress.last_step == 1
+        assert heartbeat.last_step == 1
     finally:
         handle.remove()
 
 
 def test_steps_are_written_at_most_once_per_interval():
     store = CountingStore()
-    progress = Progress(store, rank=0, world_size=1, interval=60.0).started()
-    handle = progress.watch_optimizers()
+    heartbeat = Heartbeat(store, rank=0, world_size=1, interval=60.0).started()
+    handle = heartbeat.watch_optimizers()
     try:
         optimizer = _sgd()
         for _ in range(50):
             optimizer.step()
     finally:
         handle.remove()
-    assert progress.last_step == 50 and store.writes == 1  # started() only: within the interval
+    assert heartbeat.last_step == 50 and store.writes == 1  # started() only: within the interval
 
 
 OWN_LOOP = """import os, signal, time, torch, ddpkit
 from datetime import timedelta
 rt = ddpkit.setup(timeout=timedelta(seconds=5), seed=0)
-rt.progress.watch_optimizers()
+rt.heartbeat.watch_optimizers()
 model = rt.wrap(torch.nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(1, 10):
     if rt.rank == 1 and step == 4:
         os.kill(os.getpid(), signal.SIGSTOP)   # stuck after 3 finished steps
-    time.sleep(1.1)   # a step slower than the progress record's write interval (1 s)
+    time.sleep(1.1)   # a step slower than the heartbeat record's write interval (1 s)
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
     optimizer.zero_grad()

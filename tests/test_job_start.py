@@ -12,7 +12,7 @@ from ddpkit.checkpoint.files import find_latest
 from ddpkit.errors import ConfigError
 from ddpkit.job.config import TrainConfig
 from ddpkit.job.start import WORKER, inside_a_launcher, job_nproc, plan, start
-from ddpkit.launch.torchrun import RunConfig
+from ddpkit.launchers.torchrun import RunConfig
 
 from test_cli import ddpkit
 

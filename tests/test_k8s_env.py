@@ -7,8 +7,8 @@ from ddpkit.cli.flags import from_pod, run_config
 from ddpkit.env.detect import detect
 from ddpkit.errors import ConfigError, JobSetupError
 from ddpkit.env.k8s import pod_launch
-from ddpkit.launch.network import wait_resolvable
-from ddpkit.launch.torchrun import resolve_nproc
+from ddpkit.launchers.network import wait_resolvable
+from ddpkit.launchers.torchrun import resolve_nproc
 
 # What Kubeflow Trainer's torch plugin sets on node 1 of TrainJob "mnist" (torch.go)
 TRAINER = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",

@@ -1,4 +1,4 @@
-"""ddpkit.launch.network without a network: parsing injected ``ip`` output; reachability on loopback only."""
+"""ddpkit.launchers.network without a network: parsing injected ``ip`` output; reachability on loopback only."""
 import errno
 import os
 import socket
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from ddpkit.launch import network as net
-from ddpkit.launch import watchdog
+from ddpkit.launchers import network as net
+from ddpkit.launchers import watchdog
 from ddpkit.errors import ConfigError
 
 ROUTE_REMOTE = "10.213.0.1 dev eth0 src 10.213.0.2 uid 0 \\    cache \n"
@@ -296,10 +296,10 @@ def test_watch_nnodes_is_quiet_when_nodes_agree_or_the_store_is_unreachable():
 
 @pytest.fixture
 def fake_torchrun(monkeypatch, tmp_path):
-    """ddpkit.launch.torchrun.run with torchrun, the --nnodes check and the watchdog replaced; env restored."""
+    """ddpkit.launchers.torchrun.run with torchrun, the --nnodes check and the watchdog replaced; env restored."""
     import torch.distributed.run as trun
 
-    from ddpkit.launch import torchrun as launchers
+    from ddpkit.launchers import torchrun as launchers
 
     for key in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
                 "NCCL_SOCKET_IFNAME", launchers.LAUNCHER_PID_VAR):
@@ -322,12 +322,12 @@ def fake_torchrun(monkeypatch, tmp_path):
 
 
 def _cfg(seen, **kw):
-    from ddpkit.launch.torchrun import RunConfig
+    from ddpkit.launchers.torchrun import RunConfig
     return RunConfig(script=seen["script"], script_args=["--lr", "1"], **kw)
 
 
 def test_run_on_the_endpoint_host_serves_the_store_with_a_store_per_round(fake_torchrun):
-    from ddpkit.launch.torchrun import LAUNCHER_PID_VAR, RDZV_ENDPOINT_VAR, run
+    from ddpkit.launchers.torchrun import LAUNCHER_PID_VAR, RDZV_ENDPOINT_VAR, run
 
     assert run(_cfg(fake_torchrun, nnodes=2, rdzv_endpoint="127.0.0.1:29411",
                     rdzv_timeout=30)) == 0
@@ -346,7 +346,7 @@ def test_run_on_the_endpoint_host_serves_the_store_with_a_store_per_round(fake_t
 
 
 def test_run_single_node_adds_nothing_and_iface_pins_gloo(fake_torchrun):
-    from ddpkit.launch.torchrun import run
+    from ddpkit.launchers.torchrun import run
 
     assert run(_cfg(fake_torchrun, nproc=2, iface="eth7")) == 0
     assert fake_torchrun["args"].rdzv_conf == ""
@@ -356,7 +356,7 @@ def test_run_single_node_adds_nothing_and_iface_pins_gloo(fake_torchrun):
 
 
 def test_run_static_rendezvous_passes_the_timeout_and_reports_a_missing_node(fake_torchrun):
-    from ddpkit.launch.torchrun import run
+    from ddpkit.launchers.torchrun import run
 
     fake_torchrun["raise"] = DistStoreError("Timed out after 21 seconds waiting for clients. "
                                             "1/2 clients joined.")
@@ -368,7 +368,7 @@ def test_run_static_rendezvous_passes_the_timeout_and_reports_a_missing_node(fak
 
 
 def test_run_c10d_rendezvous_timeout_is_one_line(fake_torchrun):
-    from ddpkit.launch.torchrun import run
+    from ddpkit.launchers.torchrun import run
 
     fake_torchrun["raise"] = RendezvousTimeoutError()
     with pytest.raises(ConfigError, match="did not gather 2 nodes within 12 s"):
@@ -379,7 +379,7 @@ def test_run_c10d_rendezvous_timeout_is_one_line(fake_torchrun):
 
 
 def test_rdzv_timeout_must_be_at_least_a_second(fake_torchrun):
-    from ddpkit.launch.torchrun import run
+    from ddpkit.launchers.torchrun import run
 
     with pytest.raises(ConfigError, match="--rdzv-timeout must be >= 1 second, got 0.5"):
         run(_cfg(fake_torchrun, nnodes=2, rdzv_endpoint="127.0.0.1:29411", rdzv_timeout=0.5))

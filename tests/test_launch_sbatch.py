@@ -1,4 +1,4 @@
-"""Tests for ddpkit.launch.sbatch: the sbatch script `ddpkit slurm` prints.
+"""Tests for ddpkit.launchers.sbatch: the sbatch script `ddpkit slurm` prints.
 
 Pure text, so no Slurm installation is needed (only bash for the syntax check).
 """
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ddpkit.errors import ConfigError
-from ddpkit.launch.sbatch import render_sbatch
+from ddpkit.launchers.sbatch import render_sbatch
 
 
 def test_render_sbatch_gpu_contents() -> None:
@@ -163,7 +163,7 @@ def test_the_rendered_requeue_forwards_sigusr1_and_requeues_only_a_checkpointed_
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
 @pytest.mark.parametrize("job_id", ["1", "123456", "4294967"])
 def test_the_rendered_port_is_the_one_the_library_derives_from_the_job_id(job_id) -> None:
-    from ddpkit.launch.sbatch import PORT_FROM_JOB_ID
+    from ddpkit.launchers.sbatch import PORT_FROM_JOB_ID
     from ddpkit.env.slurm import port_from_job_id
 
     res = subprocess.run(["bash", "-c", f"echo {PORT_FROM_JOB_ID}"], capture_output=True,

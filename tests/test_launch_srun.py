@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ddpkit.errors import JobSetupError
-from ddpkit.launch.srun import check_layout, is_first_task, step_task
+from ddpkit.launchers.srun import check_layout, is_first_task, step_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Task 1 (on node2) of `srun ddpkit run ...` in a job of 2 nodes x 1 task.

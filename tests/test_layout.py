@@ -18,7 +18,7 @@ except ImportError:  # Python < 3.11
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "ddpkit"
-PRODUCTS = {"launch", "job", "plan", "doctor", "verify", "bench", "cli"}
+PRODUCTS = {"launchers", "job", "plan", "doctor", "verify", "bench", "cli"}
 
 
 def _contracts():
@@ -35,7 +35,7 @@ def test_the_core_contract_names_every_core_module_and_the_layers_every_product(
     assert set(forbidden["forbidden_modules"]) == {f"ddpkit.{p}" for p in PRODUCTS}
     layers = next(c for c in _contracts() if c["type"] == "layers")
     assert layers["layers"] == ["ddpkit.cli", "ddpkit.bench", "ddpkit.verify", "ddpkit.doctor",
-                                "ddpkit.plan", "ddpkit.job", "ddpkit.launch"]
+                                "ddpkit.plan", "ddpkit.job", "ddpkit.launchers"]
 
 
 def test_every_engine_module_is_in_the_independence_contract():

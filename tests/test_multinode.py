@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from ddpkit.launch import watchdog
+from ddpkit.launchers import watchdog
 
 import resume_script
 from multinode_script import rounds
@@ -148,7 +148,7 @@ def test_two_nodes_by_one_process_train_bitwise_like_one_node_by_two(tmp_path, r
 # ----------------------------------------------------------------------------- restart
 
 def test_link_down_then_up_restarts_from_the_latest_checkpoint(tmp_path, reference):
-    """Hostnames resolving to loopback (hostnames=False), as on many clusters: ddpkit.launch.network finds
+    """Hostnames resolving to loopback (hostnames=False), as on many clusters: ddpkit.launchers.network finds
     the interface and address itself. The out dir is shared, like a cluster file system."""
     shared = str(tmp_path / "shared")
     os.makedirs(shared)

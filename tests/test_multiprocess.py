@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.launch.network import free_port
-from ddpkit.launch.spawn import LaunchError
+from ddpkit.launchers.network import free_port
+from ddpkit.launchers.spawn import LaunchError
 
 import rankfns
 
@@ -148,7 +148,7 @@ def test_ranks_leaving_right_after_a_collective_exit_cleanly():
     import subprocess
     import sys
 
-    from ddpkit.launch.network import free_port
+    from ddpkit.launchers.network import free_port
 
     script = os.path.join(os.path.dirname(__file__), "exit_script.py")
     for attempt in range(4):

@@ -55,7 +55,7 @@ def _failure(code, recorded=False, timestamp=5):
     ({1: _failure(1, True, 7), 0: _failure(1, True, 6)}, 0),  # the earliest recorded one
 ])
 def test_the_failure_named_is_the_cause_not_a_consequence(failures, first):
-    from ddpkit.launch.restarts import first_failure as _first_failure
+    from ddpkit.launchers.restarts import first_failure as _first_failure
 
     assert _first_failure(failures)[0] == first
 
@@ -67,7 +67,7 @@ def test_the_failure_named_is_the_cause_not_a_consequence(failures, first):
     (_failure(-9), False),
 ])
 def test_a_ranks_one_line_error_gets_no_second_line_from_the_launcher(failure, one_line):
-    from ddpkit.launch.restarts import said_in_one_line
+    from ddpkit.launchers.restarts import said_in_one_line
 
     assert said_in_one_line(failure) == one_line
 
@@ -75,7 +75,7 @@ def test_a_ranks_one_line_error_gets_no_second_line_from_the_launcher(failure, o
 def test_sigabrt_points_at_what_the_rank_printed():
     import signal
 
-    from ddpkit.launch.restarts import how
+    from ddpkit.launchers.restarts import how
 
     said = how(_failure(-signal.SIGABRT))
     assert "its own message, if it printed one, is above" in said

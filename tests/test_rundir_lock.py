@@ -12,7 +12,7 @@ import pytest
 from ddpkit.errors import ConfigError
 from ddpkit.job.rundir import LOCK_NAME, hold_run_dir
 from ddpkit.job.start import _holds_lock
-from ddpkit.launch.torchrun import RunConfig
+from ddpkit.launchers.torchrun import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLD = ("import sys\nfrom ddpkit.job.rundir import hold_run_dir\n"

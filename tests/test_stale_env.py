@@ -17,7 +17,7 @@ import pytest
 
 from ddpkit.env.detect import detect, spawn_env, to_environ
 from ddpkit.errors import ConfigError
-from ddpkit.launch.network import free_port
+from ddpkit.launchers.network import free_port
 
 SCRIPT = """import ddpkit, torch
 rt = ddpkit.setup()

@@ -10,7 +10,7 @@ Five lines make a plain script data-parallel under torchrun, Slurm, spawn or a s
 
 The core a script imports lives here, one job per module (env, dist, comm, wrap, precision,
 accumulate, data, evaluate, checkpoint, loop, ...); the engines in :mod:`ddpkit.engines`; the
-products above it in :mod:`ddpkit.launch`, :mod:`ddpkit.job`, :mod:`ddpkit.bench`, :mod:`ddpkit.cli`.
+products above it in :mod:`ddpkit.launchers`, :mod:`ddpkit.job`, :mod:`ddpkit.bench`, :mod:`ddpkit.cli`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ try:
     from .accumulate import Accumulator
     from .errors import ConfigError, DDPKitError
     from .evaluate import evaluate
-    from .launch.spawn import launch
+    from .launchers.spawn import launch
     from .loop import CheckpointPolicy, FitConfig, Hook, fit
     from .precision import Precision
     from .checkpoint.checkpointer import Checkpointer

@@ -15,7 +15,7 @@ import torch
 
 from . import comm
 
-__all__ = ["banner", "RunLogger", "progress", "format_epoch"]
+__all__ = ["banner", "RunLogger", "progress_bar", "format_epoch"]
 
 T = TypeVar("T")
 
@@ -120,7 +120,7 @@ class _Plain:
         pass
 
 
-def progress(iterable: Iterable[T], total: Optional[int], desc: str, enabled: bool = True,
+def progress_bar(iterable: Iterable[T], total: Optional[int], desc: str, enabled: bool = True,
              samples_per_item: int = 1) -> Any:
     """A tqdm bar on rank 0 when stderr is a terminal; a plain wrapper otherwise.
 
@@ -128,7 +128,7 @@ def progress(iterable: Iterable[T], total: Optional[int], desc: str, enabled: bo
 
     Example::
 
-        bar = progress(loader, len(loader), "epoch 1")
+        bar = progress_bar(loader, len(loader), "epoch 1")
         for batch in bar:
             bar.set_postfix(loss=0.1)
     """

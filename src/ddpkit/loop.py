@@ -20,7 +20,7 @@ from .data.batches import (batch_size_of, channels_last, default_loss, forward, 
                       step_sums, targets_of, to_device)
 from .data.loader import DistributedLoader
 from .errors import ConfigError, DDPKitError
-from .log import RunLogger, format_epoch, progress
+from .log import RunLogger, format_epoch, progress_bar
 from .fitconfig import CheckpointPolicy, FitConfig, Hook
 from .precision import Precision
 from .checkpoint.checkpointer import Checkpointer, TrainState
@@ -149,7 +149,7 @@ class _Fit:
             self._epoch_sums[:3] += torch.tensor(carried["sums"], dtype=torch.float64,
                                                  device=self.rt.device)
         start = time.perf_counter()
-        bar = progress(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
+        bar = progress_bar(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
                        self.cfg.progress, self.loader.batch_size * self.rt.world_size)
         for batch in bar:
             loss = self._forward_backward(batch, self.loader.at_last_batch)

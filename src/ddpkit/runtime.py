@@ -25,7 +25,7 @@ from .data.loader import DistributedLoader, make_loader
 from .env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from .env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
 from .evaluate import evaluate
-from .faults.hangs import Progress
+from .faults.hangs import Heartbeat
 from .checkpoint.checkpointer import Checkpointer
 from .seed import seed_everything, set_deterministic
 from .faults.stops import Stops
@@ -54,11 +54,11 @@ class Runtime:
 
     def __init__(self, env: ClusterEnv, device: torch.device, backend: Optional[str],
                  engine: Optional[engines.Engine] = None, stops: Optional[Stops] = None,
-                 progress: Optional[Progress] = None) -> None:
+                 heartbeat: Optional[Heartbeat] = None) -> None:
         self.env, self.device, self.backend = env, device, backend
         self.engine = engine or engines.create("ddp")
         self.stops = stops or Stops()  # not installed: signals keep their default meaning
-        self.progress = progress or Progress(None, env.rank, env.world_size)
+        self.heartbeat = heartbeat or Heartbeat(None, env.rank, env.world_size)
         # The user modules wrapped so far: wrapping one twice is refused at the call (weak, so
         # a copy of a wrapped model, an EMA or a teacher, is a new module and wraps fine).
         self._wrapped: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
@@ -249,16 +249,16 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     # One node only: there the store lives with the local agent, so reading it on a hang or at
     # exit cannot block on an unreachable node.
     single_node = env.num_nodes == 1
-    progress = Progress(chosen.store() if single_node else None, env.rank,
+    heartbeat = Heartbeat(chosen.store() if single_node else None, env.rank,
                         env.world_size).started()
-    progress.watch_optimizers()  # a script's own loop: hang reports name its last optimizer step
-    if progress.store is not None:  # registered after the group's exit handler: runs first
-        atexit.register(progress.leaving)
+    heartbeat.watch_optimizers()  # a script's own loop: hang reports name its last optimizer step
+    if heartbeat.store is not None:  # registered after the group's exit handler: runs first
+        atexit.register(heartbeat.leaving)
     if backend_name is not None:  # PyTorch wrapped the hook at init; ours goes on top
-        install_error_hook(env.rank, stops=stops, progress=progress, single_node=single_node)
+        install_error_hook(env.rank, stops=stops, heartbeat=heartbeat, single_node=single_node)
     if seed is not None:
         seed_everything(seed)
     if deterministic:
         set_deterministic(True)
     observe.start(env.rank, env.world_size, seeded=seed is not None)  # under ddpkit verify
-    return Runtime(env, device, backend_name, chosen, stops, progress)
+    return Runtime(env, device, backend_name, chosen, stops, heartbeat)

@@ -55,7 +55,7 @@ def _launch(plan: Dict[str, Any], cfg: BenchConfig) -> Dict[str, Any]:
         from .horovod import launch_horovod
         return launch_horovod(plan, cfg.row_timeout)
     from .worker import run_row
-    from ..launch.spawn import launch
+    from ..launchers.spawn import launch
     return launch(run_row, plan["nprocs"], plan["job"], timeout=cfg.row_timeout)
 
 

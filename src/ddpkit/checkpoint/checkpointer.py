@@ -145,7 +145,7 @@ class Checkpointer:
             optimizer.step(); ckpt.step()
         """
         self.global_step = self.global_step + 1 if global_step is None else int(global_step)
-        self.rt.progress.step(self.global_step)  # read by the other ranks if a collective hangs
+        self.rt.heartbeat.step(self.global_step)  # read by the other ranks if a collective hangs
         due = self._due()  # the same on every rank
         saved = self.save() if due else None
         signum = self.rt.stops.poll(self.rt.engine) if self._stop_question_due() else None
@@ -331,7 +331,7 @@ class Checkpointer:
     def _load_position(self, ckpt: Dict[str, Any]) -> None:
         progress = ckpt["progress"]
         self.global_step = self._first_step = int(progress["step"])
-        self.rt.progress.step(self.global_step)
+        self.rt.heartbeat.step(self.global_step)
         if self.loader is not None and ckpt.get("loader") is not None:
             self.loader.load_state_dict(_next_position(ckpt["loader"], progress))
         self._epoch = int(progress["epoch"])

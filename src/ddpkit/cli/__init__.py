@@ -10,7 +10,7 @@ import sys
 from typing import List, Optional
 
 from ..errors import DDPKitError, JobSetupError
-from ..launch.srun import is_first_task
+from ..launchers.srun import is_first_task
 from . import bench, ckpt, doctor, k8s, plan, run, slurm, train, verify
 
 __all__ = ["main", "entry", "build_parser"]

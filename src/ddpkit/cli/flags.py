@@ -1,5 +1,5 @@
 """The launch flags, declared once: ``ddpkit run`` and ``ddpkit train`` share them, and
-:func:`run_config` maps them onto the launcher's :class:`~ddpkit.launch.torchrun.RunConfig`.
+:func:`run_config` maps them onto the launcher's :class:`~ddpkit.launchers.torchrun.RunConfig`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..env.detect import BACKEND_VAR, TIMEOUT_VAR
 from ..env.dist import BACKENDS
 from ..env.k8s import pod_launch
-from ..launch.torchrun import RunConfig
+from ..launchers.torchrun import RunConfig
 
 __all__ = ["add_launch_flags", "pass_backend", "pass_timeout", "run_config", "parse_nnodes", "from_pod"]
 

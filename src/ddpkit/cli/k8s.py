@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..launch.k8s import DEFAULT_GRACE, KINDS, K8sJob, render_k8s
+from ..launchers.k8s import DEFAULT_GRACE, KINDS, K8sJob, render_k8s
 
 __all__ = ["add_parser"]
 

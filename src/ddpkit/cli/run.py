@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     from ..errors import ConfigError
-    from ..launch.torchrun import run
+    from ..launchers.torchrun import run
 
     if not ns.script:
         raise ConfigError("a script is required: ddpkit run [--nproc N] SCRIPT [ARGS...]")

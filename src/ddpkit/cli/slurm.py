@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..launch.sbatch import DEFAULT_REQUEUE_GRACE, render_sbatch
+from ..launchers.sbatch import DEFAULT_REQUEUE_GRACE, render_sbatch
 from .flags import add_launch_flags
 
 __all__ = ["add_parser"]

@@ -43,7 +43,7 @@ def local_facts(device: torch.device, master: Optional[str] = None) -> Dict[str,
 
         local_facts(torch.device("cpu"), "10.0.0.1")
     """
-    from ..launch.network import route_to
+    from ..launchers.network import route_to
 
     cuda = torch.version.cuda if torch.cuda.is_available() else None
     nccl = ".".join(map(str, torch.cuda.nccl.version())) \
@@ -106,7 +106,7 @@ def ports(host: str = "127.0.0.1", own: Sequence[int] = ()) -> Finding:
 
         ports()   # ok    ports: 29400, 29500 free on this host
     """
-    from ..launch.network import port_in_use
+    from ..launchers.network import port_in_use
 
     busy = [p for p in PORTS if p not in own and port_in_use(host, p)]
     if busy:

@@ -114,8 +114,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _own_ports() -> List[int]:
     """The ports this job holds: its store's and its rendezvous's (``ddpkit run`` says which)."""
-    from ..launch.network import split_endpoint
-    from ..launch.torchrun import RDZV_ENDPOINT_VAR
+    from ..launchers.network import split_endpoint
+    from ..launchers.torchrun import RDZV_ENDPOINT_VAR
 
     if "RANK" not in os.environ:
         return []

@@ -1,7 +1,7 @@
 """What a Slurm allocation says, parsed: hostlist expansion, tasks per node, a port per job.
 
 Everything here is a pure function of its arguments; callers read the environment. Rendering an
-sbatch script is a launcher's job: :mod:`ddpkit.launch.sbatch`.
+sbatch script is a launcher's job: :mod:`ddpkit.launchers.sbatch`.
 """
 from __future__ import annotations
 

@@ -163,7 +163,7 @@ def _restart_follows() -> bool:
 
 def _record_root_cause(exc: BaseException, text: str) -> None:
     # torchrun's error file, in its own format, names the rank that failed first (see
-    # ddpkit.launch.torchrun.run); ranks that merely lost a peer write none.
+    # ddpkit.launchers.torchrun.run); ranks that merely lost a peer write none.
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -180,31 +180,31 @@ def _record_root_cause(exc: BaseException, text: str) -> None:
 PEER_LOSS_SUFFIX = ".peer-lost.json"
 
 
-def note_peer_loss(exc: BaseException, progress: Any) -> None:
+def note_peer_loss(exc: BaseException, heartbeat: Any) -> None:
     """For ``ddpkit run``'s restart line: the step this rank reached and the peer address gloo
     named, written beside torchrun's error file (which stays for the rank that failed first).
 
     Example::
 
-        note_peer_loss(RuntimeError("Connection closed by peer [10.0.0.3]:1968"), progress)
+        note_peer_loss(RuntimeError("Connection closed by peer [10.0.0.3]:1968"), heartbeat)
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     peer = re.search(r"peer \[([0-9A-Fa-f.:]+)\]", str(exc))
-    note = {"step": getattr(progress, "last_step", None), "peer": peer.group(1) if peer else None}
+    note = {"step": getattr(heartbeat, "last_step", None), "peer": peer.group(1) if peer else None}
     with contextlib.suppress(OSError):
         with open(path + PEER_LOSS_SUFFIX, "w") as f:
             json.dump(note, f)
 
 
 def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
-                       progress: Any = None, single_node: bool = False) -> None:
+                       heartbeat: Any = None, single_node: bool = False) -> None:
     """Report an uncaught error once instead of once per rank.
 
     Rank 0 reports at once; other ranks wait ``delay`` seconds first, by which time a launcher
     that saw rank 0 fail has stopped them, so an error every rank hits is printed once. With
-    ``progress``'s store (one node) no rank waits: the first rank to fail prints its traceback
+    ``heartbeat``'s store (one node) no rank waits: the first rank to fail prints its traceback
     and each rank that fails the same way one line, ``rank N failed the same way (...)``;
     different errors are each printed. A
     :class:`DDPKitError` is one line (no traceback) and exit status 2; a collective that failed
@@ -212,8 +212,8 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
     collective that timed out is one line on every rank (:func:`collective_timeout`).
     Install it after the process group exists: PyTorch wraps ``sys.excepthook`` at init.
     With ``stops`` (:class:`ddpkit.faults.stops.Stops`), an error after a stop signal is the stop's
-    consequence: the process leaves quietly with 128 + the signal. With ``progress``
-    (:class:`ddpkit.faults.hangs.Progress`) on one node, a timed-out collective names the ranks that
+    consequence: the process leaves quietly with 128 + the signal. With ``heartbeat``
+    (:class:`ddpkit.faults.hangs.Heartbeat`) on one node, a timed-out collective names the ranks that
     never arrived, with their last step and Python stack, from the lowest waiting rank only.
 
     Example::
@@ -225,13 +225,13 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
         if stops is not None and stops.signum is not None and _stop_consequence(value):
             quiet_exit(128 + stops.signum)  # a consequence of the stop the user asked for
         if is_peer_failure(value):
-            left = progress.who_left() if progress is not None else []
+            left = heartbeat.who_left() if heartbeat is not None else []
             if left:  # a rank ended its script while this one still waited on it
                 _record_root_cause(value, "".join(traceback.format_exception(kind, value, tb)))
                 _write(f"{prefix}error: {_left_early(left, tb)}\n")
                 os._exit(1)
             if _restart_follows():  # ddpkit run names the rank that failed, then restarts
-                note_peer_loss(value, progress)
+                note_peer_loss(value, heartbeat)
                 os._exit(1)
             first = _gist(str(value), 120)  # the first sentences: what happened, not advice
             _write(f"{prefix}stopped: a peer process failed during a collective ({first})\n")
@@ -243,8 +243,8 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
             # that did wait name the ones that did not.
             text = "".join(traceback.format_exception(kind, value, tb))
             _record_root_cause(value, text)
-            if progress is not None and single_node and progress.store is not None:
-                _report_hang(progress, f"{prefix}error: {timed_out}\n")
+            if heartbeat is not None and single_node and heartbeat.store is not None:
+                _report_hang(heartbeat, f"{prefix}error: {timed_out}\n")
             _write(f"{prefix}error: {timed_out}\n")
             os._exit(1)
         text = "".join(traceback.format_exception(kind, value, tb))
@@ -254,7 +254,7 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
                 _write(f"error: {value}\n")
                 # On several nodes this node's agent serves the rendezvous store: the others'
                 # agents close the rendezvous through it before it goes (no noise from them).
-                time.sleep(delay if progress is not None and not single_node else 0.0)
+                time.sleep(delay if heartbeat is not None and not single_node else 0.0)
             os._exit(2)
         if isinstance(value, DDPKitError):
             if rank != 0:
@@ -262,11 +262,11 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
             _record_root_cause(value, text)
             _write(f"{prefix}error: {value}\n")
             os._exit(2)
-        shared = progress is not None and progress.store is not None
+        shared = heartbeat is not None and heartbeat.store is not None
         if rank != 0 and not shared:  # with the store, ranks that fail alike agree on one
             time.sleep(delay)
         _record_root_cause(value, text)
-        _print_once(progress if shared else None, rank, value, text)
+        _print_once(heartbeat if shared else None, rank, value, text)
         os._exit(1)
 
     hook.ddpkit = True  # type: ignore[attr-defined]
@@ -294,7 +294,7 @@ def failure_digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def _print_once(progress: Any, rank: int, value: BaseException, text: str,
+def _print_once(heartbeat: Any, rank: int, value: BaseException, text: str,
                 wait: float = 2.0, linger: float = 1.0) -> None:
     """This rank's traceback, or one line when another rank printed the same one already.
 
@@ -306,7 +306,7 @@ def _print_once(progress: Any, rank: int, value: BaseException, text: str,
     """
     prefix = "" if rank == 0 else f"[rank {rank}] "
     full = "".join(prefix + line + "\n" for line in text.splitlines())
-    store = progress.store if progress is not None else None
+    store = heartbeat.store if heartbeat is not None else None
     try:
         store.set_timeout(timedelta(seconds=5))  # an unanswered store must not hold the exit
         key = _FAILED.format(digest=failure_digest(text))
@@ -324,7 +324,7 @@ def _print_once(progress: Any, rank: int, value: BaseException, text: str,
     with contextlib.suppress(Exception):
         store.add(_FAILURES, 1)
         deadline = time.monotonic() + linger
-        while store.add(_FAILURES, 0) < progress.world_size and time.monotonic() < deadline:
+        while store.add(_FAILURES, 0) < heartbeat.world_size and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
@@ -347,22 +347,22 @@ def _stop_consequence(exc: BaseException) -> bool:
             or collective_timeout(exc) is not None or "DataLoader worker" in text)
 
 
-def _report_hang(progress: Any, line: str) -> None:
+def _report_hang(heartbeat: Any, line: str) -> None:
     """On one node: the lowest rank that waited names the ranks that never arrived; the others
     wait for its report, then leave. Stop signals are ignored meanwhile (the launcher sends
     them as soon as one rank has left)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     with contextlib.suppress(Exception):  # diagnostics must never block for long
-        progress.store.set_timeout(timedelta(seconds=5))
-    stuck = progress.not_arrived()
+        heartbeat.store.set_timeout(timedelta(seconds=5))
+    stuck = heartbeat.not_arrived()
     if stuck is None:
         return  # no store answer: the plain line
-    if not progress.reporter:
-        progress.wait_for_report(timeout=20.0)
+    if not heartbeat.reporter:
+        heartbeat.wait_for_report(timeout=20.0)
         quiet_exit(1)
     _write(line + _stuck_report(stuck))
-    progress.reported()
+    heartbeat.reported()
     os._exit(1)
 
 

@@ -1,4 +1,4 @@
-"""When a collective hangs: every rank's progress kept in the rendezvous store, so the ranks
+"""When a collective hangs: every rank's heartbeat kept in the rendezvous store, so the ranks
 that timed out can name the ones that never arrived, where they run and their Python stacks.
 """
 from __future__ import annotations
@@ -14,19 +14,19 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["Progress", "python_stack"]
+__all__ = ["Heartbeat", "python_stack"]
 
-_KEY = "ddpkit/progress/{rank}"
+_KEY = "ddpkit/heartbeat/{rank}"
 _WAITING = "ddpkit/waiting/{rank}"
 _LEFT = "ddpkit/left/{rank}"
 _REPORTED = "ddpkit/hang-reported"
 
-# One optimizer hook per process however often ddpkit.setup runs: it counts for the Progress
+# One optimizer hook per process however often ddpkit.setup runs: it counts for the Heartbeat
 # that asked last (the one the error hook reads), held weakly so an old one can go.
 _WATCH: Dict[str, Any] = {"handle": None, "progress": lambda: None}
 
 
-class Progress:
+class Heartbeat:
     """This rank's place (host, pid, last step) in the store the ranks share; read on a hang.
 
     Writing is cheap: at most one small store write per ``interval`` seconds. Without a store
@@ -34,10 +34,10 @@ class Progress:
 
     Example::
 
-        progress = Progress(store, rank=0, world_size=2).started()
-        progress.step(57)                      # from the training loop
-        progress.watch_optimizers()            # or: every optimizer.step() counts by itself
-        stuck = progress.not_arrived()         # after a collective timed out on this rank
+        heartbeat = Heartbeat(store, rank=0, world_size=2).started()
+        heartbeat.step(57)                      # from the training loop
+        heartbeat.watch_optimizers()            # or: every optimizer.step() counts by itself
+        stuck = heartbeat.not_arrived()         # after a collective timed out on this rank
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0) -> None:
@@ -60,7 +60,7 @@ class Progress:
             self.store = None
         self._written = time.monotonic()
 
-    def started(self) -> "Progress":
+    def started(self) -> "Heartbeat":
         """Record host and pid as the job starts."""
         self._write()
         return self
@@ -89,8 +89,8 @@ class Progress:
 
         Example::
 
-            progress.watch_optimizers()
-            optimizer.step()          # progress.last_step == 1
+            heartbeat.watch_optimizers()
+            optimizer.step()          # heartbeat.last_step == 1
         """
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -121,7 +121,7 @@ class Progress:
 
         Example::
 
-            progress.who_left()   # [{'rank': 1, 'step': 12}]
+            heartbeat.who_left()   # [{'rank': 1, 'step': 12}]
         """
         if self.store is None:
             return []
@@ -182,10 +182,10 @@ class Progress:
 
 
 def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
-    progress = _WATCH["progress"]()
-    if progress is not None:
+    heartbeat = _WATCH["progress"]()
+    if heartbeat is not None:
         try:
-            progress._optimizer_stepped(optimizer)
+            heartbeat._optimizer_stepped(optimizer)
         except Exception:  # noqa: BLE001 - diagnostics must never break a training step
             pass
 

@@ -20,9 +20,9 @@ from ..faults.crash import LAUNCHER_PID_VAR
 from ..engines import create as create_engine
 from ..env.detect import detect
 from ..errors import ConfigError
-from ..launch import horovodrun
-from ..launch.srun import step_task
-from ..launch.torchrun import RunConfig, run
+from ..launchers import horovodrun
+from ..launchers.srun import step_task
+from ..launchers.torchrun import RunConfig, run
 from .check import check_config, check_every_world, check_resume, known_train_size
 from ..env.dist import check_gpu_sharing
 from .config import TrainConfig, parse_nproc

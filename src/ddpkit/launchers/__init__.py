@@ -5,7 +5,7 @@ the agent (:mod:`.watchdog`) and sbatch scripts for Slurm (:mod:`.sbatch`).
 
 Example::
 
-    from ddpkit.launch import RunConfig, run
+    from ddpkit.launchers import RunConfig, run
     run(RunConfig("train.py", ["--epochs", "2"], nproc=2))
 """
 from .spawn import LaunchError, launch
