@@ -17,6 +17,19 @@ from __future__ import annotations
 import os as _os
 import sys as _sys
 
+
+def _quiet_interrupt(_signum, _frame):  # pragma: no cover - exercised in a subprocess
+    _os._exit(130)  # the launcher prints the one line; a worker's traceback would be noise
+
+
+if _sys.argv[:1] == ["-m"] and _os.environ.get("DDPKIT_LAUNCHER_PID"):
+    # ddpkit's own worker (`python -m ddpkit.job.train` under `ddpkit run`): a Ctrl-C the
+    # launcher forwards before setup() installs the stop handler (while torch and the job's
+    # modules load) ends it quietly, not with a traceback under the launcher's line
+    import signal as _signal
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, _quiet_interrupt)
+
 try:
     from .accumulate import Accumulator
     from .errors import ConfigError, DDPKitError
