@@ -245,5 +245,5 @@ def test_a_trial_on_real_steps_keeps_the_faster_hook_on_every_rank(tmp_path):
     for rank in ranks:   # both keep the plain hook and let the other go
         assert (rank["kept"], rank["active"], rank["released"]) == (1, 1, True), ranks
     slow, plain = ranks[0]["medians"]
-    assert slow >= plain + 0.03             # the 40 ms were seen
+    assert slow >= 0.04 and slow > plain   # the 40 ms were seen: each slow step slept them
     assert ranks[0]["medians"] == ranks[1]["medians"]   # and agreed: the slowest rank's

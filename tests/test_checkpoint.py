@@ -75,6 +75,39 @@ def test_pointer_wins_and_a_higher_step_from_an_abandoned_run_is_not_pruned(tmp_
     assert names(tmp_path) == ["ckpt-000000003.pt", "ckpt-000000010.pt", "latest"]
 
 
+def test_a_save_stopped_before_its_pointer_moved_is_the_one_resumed_and_named(tmp_path,
+                                                                             monkeypatch):
+    # issue 35.7: SIGTERM during a slow save; the workers were killed after ckpt-6's rename but
+    # before the pointer moved: the stop line named ckpt-6, the resume silently took ckpt-5
+    from ddpkit.job.config import TrainConfig
+    from ddpkit.job.start import resume_hint
+    directory = tmp_path / "checkpoints"
+    save_checkpoint(state_for(5), directory, 5)
+    real = ck._point_to
+    monkeypatch.setattr(ck, "_point_to", lambda final: (_ for _ in ()).throw(SystemExit(143)))
+    with pytest.raises(SystemExit):   # stands for the SIGKILL between rename and pointer
+        ck._save_on_main(state_for(6), directory, 6, 3)
+    monkeypatch.setattr(ck, "_point_to", real)
+    assert (directory / "latest").read_text().strip() == "ckpt-000000005.pt"
+    assert [p.name for p in ck.resume_order(directory)][:2] == ["ckpt-000000006.pt",
+                                                                 "ckpt-000000005.pt"]
+    assert find_latest(directory)[1]["step"] == 6
+    hint = resume_hint(TrainConfig(output=str(tmp_path)), "cfg.json")
+    assert f"; last checkpoint {directory / 'ckpt-000000006.pt'}: continue with" in hint
+    # killed earlier, while the temporary file was written: the stop line says it was not kept
+    (directory / "ckpt-000000007.pt.tmp").write_bytes(b"PK\x03\x04 half")
+    hint = resume_hint(TrainConfig(output=str(tmp_path)), "cfg.json")
+    assert hint.startswith("; ckpt-000000007.pt was being written and is not kept; last "
+                           f"checkpoint {directory / 'ckpt-000000006.pt'}")
+
+
+def test_an_abandoned_timeline_stays_behind_the_pointer_whatever_the_order_of_writes(tmp_path):
+    save_checkpoint(state_for(10), tmp_path, 10, keep=3)
+    save_checkpoint(state_for(4), tmp_path, 4, keep=3)    # resumed from an older one, went on
+    assert [p.name for p in ck.resume_order(tmp_path)] == ["ckpt-000000004.pt",
+                                                           "ckpt-000000010.pt"]
+
+
 def test_leftover_tmp_from_a_torn_write_is_ignored_then_cleaned(tmp_path):
     save_checkpoint(state_for(1), tmp_path, 1)
     (tmp_path / "ckpt-000000002.pt.tmp").write_bytes(b"PK\x03\x04 half a checkpoint")

@@ -58,8 +58,8 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
     res = ddpkit("run", "--nproc", "2", str(script))
     assert res.returncode == 2
     assert error_lines(res.stderr) == [
-        "error: global batch size 3 is not divisible by world size 2; use a multiple such as "
-        "2 or 4, or give a per-rank batch size"], res.stderr
+        "error: batch_size=3 cannot be split evenly over 2 processes; use batch_size=2 or 4, "
+        "or give per_rank_batch= a rank's own batch"], res.stderr
     assert "Traceback" not in res.stderr
 
 

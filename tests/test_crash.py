@@ -104,7 +104,7 @@ def test_a_timeout_names_the_ddpkit_function_the_script_called(monkeypatch):
 
     from ddpkit import comm
     from ddpkit.faults.crash import collective_timeout
-    from ddpkit.engines import base
+    from ddpkit.engines import torchdist
 
     gloo = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms "
                         "for recv operation to complete")
@@ -113,10 +113,10 @@ def test_a_timeout_names_the_ddpkit_function_the_script_called(monkeypatch):
         raise gloo
     all_reduce.__code__ = all_reduce.__code__.replace(co_filename=tdist.distributed_c10d.__file__)
     # A group of two whose all_reduce times out: comm.reduce -> the engine -> torch.
-    monkeypatch.setattr(base.tdist, "all_reduce", all_reduce)
-    monkeypatch.setattr(base.Engine, "_group", staticmethod(lambda: True))
-    monkeypatch.setattr(base.Engine, "_comm_device", staticmethod(lambda: torch.device("cpu")))
-    monkeypatch.setattr(base.Engine, "world_size", lambda self: 2)
+    monkeypatch.setattr(torchdist.tdist, "all_reduce", all_reduce)
+    monkeypatch.setattr(torchdist.TorchEngine, "_group", staticmethod(lambda: True))
+    monkeypatch.setattr(torchdist.TorchEngine, "_comm_device", staticmethod(lambda: torch.device("cpu")))
+    monkeypatch.setattr(torchdist.TorchEngine, "world_size", lambda self: 2)
     with pytest.raises(RuntimeError) as info:
         comm.reduce(torch.tensor([1.0]))
     line = collective_timeout(info.value, info.tb)

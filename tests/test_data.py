@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 
+from ddpkit.data.batch import split_batch
 from ddpkit.data.loader import (DistributedLoader, ResumableSampler, ShardSampler, make_loader,
-                         per_rank_batch_size, worker_seed)
+                                worker_seed)
 from ddpkit.env.detect import ClusterEnv
 from ddpkit.errors import ConfigError
 
@@ -31,41 +32,55 @@ def _reference(n, world, rank, epoch, *, seed=0, shuffle=True, drop_last=False):
     return list(s)
 
 
-# --------------------------------------------------------------------------- per_rank_batch_size
+# --------------------------------------------------------------------------- the batch rule
 
 
-@pytest.mark.parametrize("global_batch,world,expected", [(256, 4, 64), (7, 1, 7), (6, 3, 2), (8, 8, 1)])
-def test_per_rank_batch_size(global_batch, world, expected):
-    assert per_rank_batch_size(global_batch, world) == expected
+@pytest.mark.parametrize("global_batch,world,accum,expected",
+                         [(256, 4, 1, 64), (7, 1, 1, 7), (6, 3, 1, 2), (8, 8, 1, 1),
+                          (256, 4, 2, 32), (12, 1, 3, 4)])
+def test_a_batch_is_the_global_batch_of_one_optimizer_step(global_batch, world, accum, expected):
+    assert split_batch(global_batch, world, accum) == expected
 
 
-def test_per_rank_batch_size_suggests_multiples():
+def test_a_batch_that_does_not_split_names_sizes_that_do():
     with pytest.raises(ConfigError) as exc:
-        per_rank_batch_size(10, 4)
-    assert str(exc.value) == ("global batch size 10 is not divisible by world size 4; use a "
-                              "multiple such as 8 or 12, or give a per-rank batch size")
-    with pytest.raises(ConfigError, match=r"use a multiple such as 96 or 99, or give a per-rank"):
-        per_rank_batch_size(98, 3)
+        split_batch(10, 4)
+    assert str(exc.value) == ("batch_size=10 cannot be split evenly over 4 processes; use "
+                              "batch_size=8 or 12, or give per_rank_batch= a rank's own batch")
+    with pytest.raises(ConfigError, match=r"use batch_size=96 or 99, or give per_rank_batch="):
+        split_batch(98, 3)
+    with pytest.raises(ConfigError) as exc:  # accumulation: the per-process batch is what fails
+        split_batch(10, 2, 2)
+    assert str(exc.value).startswith("accum_steps=2 cannot split the per-process batch 5 "
+                                     "(global 10 / 2 processes); use batch_size=8 or 12")
+    for bad, world, accum in ((10, 4, 1), (98, 3, 1), (10, 2, 2), (3, 4, 1), (13, 3, 2)):
+        with pytest.raises(ConfigError) as exc:
+            split_batch(bad, world, accum)
+        advice = str(exc.value).split("; use batch_size=")[1].split(",")[0]
+        for size in advice.split(" or "):  # the advice is accepted by the same rule
+            assert split_batch(int(size), world, accum) * world * accum == int(size)
 
 
-def test_per_rank_batch_smaller_than_world_suggests_the_world_size():
+def test_a_batch_smaller_than_the_world_suggests_the_world_size_once():
     with pytest.raises(ConfigError) as exc:
-        per_rank_batch_size(3, 4)
-    assert str(exc.value).startswith("global batch size 3 is not divisible by world size 4; "
-                                     "use a multiple such as 4")
-
-
-def test_per_rank_batch_smaller_than_world_does_not_repeat_suggestion():
-    with pytest.raises(ConfigError) as exc:
-        per_rank_batch_size(3, 4)
-    assert "4 or 4" not in str(exc.value)
+        split_batch(3, 4)
+    assert "use batch_size=4," in str(exc.value) and "4 or 4" not in str(exc.value)
 
 
 @pytest.mark.parametrize("bad", [0, -8])
-def test_per_rank_batch_size_must_be_positive(bad):
+def test_the_batch_size_must_be_positive(bad):
     with pytest.raises(ConfigError) as exc:
-        per_rank_batch_size(bad, 2)
-    assert str(exc.value) == f"batch size must be >= 1, got {bad}"
+        split_batch(bad, 2)
+    assert str(exc.value) == f"batch_size must be >= 1, got {bad}"
+    with pytest.raises(ConfigError, match=f"accum_steps must be >= 1, got {bad}"):
+        split_batch(4, 2, bad)
+
+
+def test_the_loader_takes_the_batch_of_a_step_and_its_micro_steps():
+    loader = make_loader(list(range(N)), 8, _env(0, 2), accum_steps=2)
+    assert loader.batch_size == 2
+    with pytest.raises(ConfigError, match="accum_steps=3 cannot split the per-process batch 4"):
+        make_loader(list(range(N)), 8, _env(0, 2), accum_steps=3)
 
 
 # --------------------------------------------------------------------------- ShardSampler
@@ -213,7 +228,7 @@ def test_make_loader_explicit_per_rank_batch():
 
 
 def test_make_loader_checks_global_batch_and_workers():
-    with pytest.raises(ConfigError, match="global batch size 5 is not divisible by world size 2"):
+    with pytest.raises(ConfigError, match="batch_size=5 cannot be split evenly over 2 processes"):
         make_loader(list(range(N)), 5, _env(0, 2))
     with pytest.raises(ConfigError) as exc:
         make_loader(list(range(N)), 4, _env(0, 2), num_workers=-1)

@@ -12,6 +12,8 @@ from torch import nn
 import ddpkit
 from ddpkit import comm, engines
 from ddpkit.engines.base import Engine
+from ddpkit.engines.none import NoneEngine
+from ddpkit.engines.torchdist import TorchEngine
 from ddpkit.engines.ddp import DDPEngine
 from ddpkit.engines.dp import DPEngine
 from ddpkit.engines.fsdp import FSDPEngine
@@ -27,9 +29,21 @@ from ddpkit.wrap import WrapOptions
 def test_one_engine_per_name():
     assert engines.ENGINES == ("ddp", "fsdp", "dp", "horovod", "none")
     for name, cls in zip(engines.ENGINES, (DDPEngine, FSDPEngine, DPEngine, HorovodEngine,
-                                              Engine)):
+                                              NoneEngine)):
         engine = engines.create(name)
         assert type(engine) is cls and engine.name == name
+
+
+def test_the_interface_the_torch_collectives_and_the_none_engine_are_three_classes():
+    # the interface cannot be made without its abstract parts; every torch engine shares one
+    # start-up and one set of collectives; Horovod is an engine without torch's collectives
+    with pytest.raises(TypeError, match="abstract"):
+        Engine()
+    for cls in (DDPEngine, FSDPEngine, DPEngine, NoneEngine):
+        assert issubclass(cls, TorchEngine) and cls.all_reduce is TorchEngine.all_reduce
+    assert not issubclass(HorovodEngine, TorchEngine) and issubclass(HorovodEngine, Engine)
+    assert NoneEngine().wrap(nn.Linear(2, 1), None, torch.device("cpu"),
+                             WrapOptions()).__class__ is nn.Linear
 
 
 def test_setup_keeps_the_chosen_engine_on_the_runtime():
@@ -85,7 +99,7 @@ def test_without_a_group_the_collectives_answer_for_one_process():
     assert comm.reduce(3, "sum") == 3 and comm.gather_object(7) == [7]
 
 
-class Recording(Engine):
+class Recording(NoneEngine):
     """An engine that records what accumulation asks of it."""
 
     def __init__(self):
@@ -121,9 +135,9 @@ def test_the_torch_engine_skips_the_all_reduce_of_anything_that_offers_no_sync()
             Wrapper.entered += 1
             yield
 
-    with Engine().no_sync(Wrapper()):
+    with NoneEngine().no_sync(Wrapper()):
         pass
-    with Engine().no_sync(nn.Linear(1, 1)):   # a plain module has nothing to skip
+    with NoneEngine().no_sync(nn.Linear(1, 1)):   # a plain module has nothing to skip
         pass
     assert Wrapper.entered == 1
 

@@ -399,14 +399,32 @@ def test_a_full_disk_under_metrics_jsonl_is_one_warning_and_training_goes_on(tmp
     assert len(warnings) == 1 and "No space left on device" in warnings[0]
 
 
-def test_a_full_disk_under_results_json_is_one_line_naming_what_is_safe(tmp_path):
+def test_a_full_disk_under_results_json_is_one_line_naming_what_is_safe(tmp_path, capsys):
+    # once: "its checkpoints are intact" also for a run that kept none, an empty results.json
+    # left behind, and a suggested command that trained again from the start
+    import json
     from ddpkit.checkpoint.write import SaveError
     from ddpkit.job.config import TrainConfig
     from ddpkit.job.train import _report
     from ddpkit.checkpoint.checkpointer import TrainState
-    (tmp_path / "results.json").symlink_to("/dev/full")
     state = TrainState(1, 4, 90.0, 1, [{"epoch": 1, "train/loss": 0.5, "eval/top1": 90.0,
                                          "eval/count": 10}])
-    with pytest.raises(SaveError, match=r"cannot write .*results.json \(No space left on device\);"
-                                        r" the run finished and its checkpoints are intact"):
-        _report(TrainConfig(output=str(tmp_path)), state)
+    for kept in (True, False):
+        run = tmp_path / str(kept)
+        (run / "checkpoints").mkdir(parents=True)
+        if kept:
+            (run / "checkpoints" / "ckpt-000000004.pt").write_bytes(b"")
+        (run / "results.json.tmp").symlink_to("/dev/full")  # what the write goes through
+        with pytest.raises(SaveError) as info:
+            _report(TrainConfig(output=str(run)), state)
+        line = str(info.value)
+        assert line.startswith(f"cannot write {run}/results.json (No space left on device); ")
+        assert not (run / "results.json").exists()  # none, rather than an empty one
+        printed = [l for l in capsys.readouterr().out.splitlines() if l.startswith("results: ")]
+        if kept:
+            assert "its last checkpoint (step 4) is intact" in line and "--resume auto" in line
+            assert printed == []
+        else:
+            assert "kept no checkpoint of its last step (step 4)" in line
+            assert "--resume" not in line and "`results:` line above" in line
+            assert json.loads(printed[0][len("results: "):])["best_top1"] == 90.0

@@ -98,11 +98,14 @@ class Runtime:
         return compile_model(wrapped, self.device, opts.compile_mode) if opts.compile else wrapped
 
     def loader(self, dataset: Dataset, batch_size: int, **kwargs: Any) -> DistributedLoader:
-        """A loader of this rank's share; ``batch_size`` is the *global* batch. See :func:`make_loader`.
+        """A loader of this rank's share; ``batch_size`` is the *global* batch of one optimizer
+        step (with ``accum_steps=K``, each batch it gives is one of the K micro-batches of a
+        step: the one rule, in ``ddpkit/data/batch.py``). See :func:`make_loader`.
 
         Example::
 
             loader = rt.loader(train_set, batch_size=256, num_workers=2, seed=0)
+            loader = rt.loader(train_set, batch_size=256, accum_steps=4)  # 64 / ranks a batch
         """
         return make_loader(dataset, batch_size, self.env, device=self.device, **kwargs)
 

@@ -142,8 +142,8 @@ def _peak_mb(device: torch.device) -> float:
 
 
 def _loader(job: Dict[str, Any], rt: Runtime, train_set: Any) -> Any:
-    micro = job["batch"] // (job["accum_k"] if job["accum"] else 1)
-    return rt.loader(train_set, batch_size=micro * rt.world_size, per_rank_batch=micro,
+    return rt.loader(train_set, batch_size=job["batch"] * rt.world_size,
+                     accum_steps=job["accum_k"] if job["accum"] else 1,
                      seed=job["seed"], num_workers=job["workers"], drop_last=True,
                      resident=job.get("device_data", "auto"))
 

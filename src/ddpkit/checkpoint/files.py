@@ -23,8 +23,8 @@ from .names import _NAME, _step_of, checkpoint_name, list_checkpoints
 from .sharded import remove_shards
 
 __all__ = ["checkpoint_name", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-           "find_latest", "resolve_resume", "check_compatible", "check_optimizer_compatible",
-           "checkpoint_metadata", "FORMAT_VERSION", "LATEST"]
+           "resume_order", "find_latest", "resolve_resume", "check_compatible",
+           "check_optimizer_compatible", "checkpoint_metadata", "FORMAT_VERSION", "LATEST"]
 
 PathLike = Union[str, Path]
 FORMAT_VERSION = 1
@@ -283,9 +283,7 @@ def find_latest(directory: PathLike,
     """
     directory = Path(directory).expanduser()
     files = list_checkpoints(directory)
-    pointed = _pointer_target(directory) if files else None
-    order = ([pointed] if pointed else []) + [p for p in reversed(files) if p != pointed]
-    for path in order:
+    for path in resume_order(directory):
         try:
             return path, _with_shards(path, load_checkpoint(path, map_location))
         except ConfigError as exc:
@@ -294,6 +292,31 @@ def find_latest(directory: PathLike,
         raise ConfigError(f"none of the {len(files)} checkpoints in {directory} could be loaded "
                           "(see the warnings); move them away to start fresh")
     return None
+
+
+def resume_order(directory: PathLike) -> List[Path]:
+    """The checkpoints of ``directory`` in the order a resume tries them: the first is the one
+    it takes when it loads (what a stop line should name).
+
+    The ``latest`` pointer names the newest checkpoint of the run's own timeline (a run resumed
+    from an older checkpoint writes below a newer one of an abandoned timeline), but it moves
+    only after its checkpoint is written: a checkpoint written after the pointer last moved
+    (its save stopped between the rename and the pointer: a slow fsync, a SIGKILL) is complete
+    and newer, so it comes first. Then the pointer's, then the rest, newest first.
+
+    Example::
+
+        resume_order("runs/demo/checkpoints")[0]   # .../ckpt-000000120.pt
+    """
+    directory = Path(directory).expanduser()
+    files = list_checkpoints(directory)
+    pointed = _pointer_target(directory) if files else None
+    if pointed is None or pointed not in files:
+        return list(reversed(files))
+    moved = (directory / LATEST).stat().st_mtime_ns
+    after = [p for p in reversed(files) if p.stat().st_mtime_ns > moved and
+             _step_of(p) > _step_of(pointed)]
+    return after + [pointed] + [p for p in reversed(files) if p != pointed and p not in after]
 
 
 def _with_shards(path: Path, state: dict) -> dict:

@@ -17,28 +17,12 @@ from ..env.detect import ClusterEnv
 from ..errors import ConfigError
 from .seeds import (EpochTagged, SeededEachSample, SeededSamples, WorkerInit, sample_seed,
                            worker_seed)
+from .batch import split_batch
 from .resident import ResidentData, batches_in, choose_resident, resident_batches
 
 
-__all__ = ["per_rank_batch_size", "ResumableSampler", "MicroStepSampler", "ShardSampler",
+__all__ = ["ResumableSampler", "MicroStepSampler", "ShardSampler",
            "DistributedLoader", "make_loader", "worker_seed", "sample_seed"]
-
-
-def per_rank_batch_size(global_batch: int, world_size: int) -> int:
-    """Split a global batch evenly across ranks, or raise a :class:`ConfigError` saying how to fix it.
-
-    Example::
-
-        per_rank_batch_size(256, 4)   # 64
-    """
-    if global_batch < 1:
-        raise ConfigError(f"batch size must be >= 1, got {global_batch}")
-    if global_batch % world_size:
-        lo = global_batch - global_batch % world_size or world_size
-        raise ConfigError(f"global batch size {global_batch} is not divisible by world size "
-                          f"{world_size}; use a multiple such as {lo} or "
-                          f"{lo + world_size}, or give a per-rank batch size")
-    return global_batch // world_size
 
 
 class ResumableSampler(DistributedSampler):
@@ -340,13 +324,15 @@ def _refuse_owned(loader_kwargs: Dict[str, Any]) -> None:
             raise ConfigError(f"rt.loader does not take {key}=: {_OWNED[key]}")
 
 
-def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
+def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *, accum_steps: int = 1,
                 per_rank_batch: Optional[int] = None, shuffle: bool = True,
                 drop_last: bool = False, seed: int = 0, num_workers: int = 0,
                 persistent_workers: bool = True, device: Optional[torch.device] = None,
                 collate_fn: Optional[Callable] = None, resident: Union[str, bool] = "auto",
                 **loader_kwargs: Any) -> DistributedLoader:
-    """Build the training loader from the *global* batch size (or an explicit per-rank one).
+    """Build the training loader from the *global* batch of one optimizer step (or an explicit
+    per-rank micro-batch): each batch it gives is one micro-batch of
+    ``batch_size / (world size x accum_steps)`` samples (see :mod:`ddpkit.data.batch`).
 
     ``resident`` puts the data on ``device`` and gathers each batch there (see
     :mod:`ddpkit.data.resident`): ``"auto"`` does so on a GPU when the dataset supports it and fits
@@ -358,7 +344,7 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *,
         loader = make_loader(train_set, batch_size=256, env=env, seed=0, num_workers=2)
         len(loader)   # batches per rank per epoch
     """
-    per_rank = per_rank_batch or per_rank_batch_size(batch_size, env.world_size)
+    per_rank = per_rank_batch or split_batch(batch_size, env.world_size, accum_steps)
     if num_workers < 0:
         raise ConfigError(f"number of loader workers must be >= 0, got {num_workers}")
     watch = observe.active()

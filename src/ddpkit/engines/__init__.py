@@ -21,12 +21,15 @@ from .ddp import DDPEngine
 from .dp import DPEngine
 from .fsdp import FSDPEngine
 from .horovod import HorovodEngine, started_by_horovod
+from .none import NoneEngine
+from .torchdist import TorchEngine
 
-__all__ = ["Engine", "ENGINES", "create", "choose", "active", "wrap_model"]
+__all__ = ["Engine", "TorchEngine", "NoneEngine", "ENGINES", "create", "choose", "active",
+           "wrap_model"]
 
 # The order is the one users see in error messages and --help.
 _ENGINES: Dict[str, Type[Engine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine, "dp": DPEngine,
-                                     "horovod": HorovodEngine, "none": Engine}
+                                     "horovod": HorovodEngine, "none": NoneEngine}
 ENGINES = tuple(_ENGINES)
 # Engines whose collectives replace torch.distributed's when they run (checked in this order).
 _COLLECTIVES = (HorovodEngine,)
@@ -61,7 +64,7 @@ def choose(name: str = "auto", environ: Mapping[str, str] = os.environ) -> Engin
     return _ENGINES[name]()
 
 
-_TORCH = Engine()
+_TORCH = NoneEngine()  # torch.distributed's collectives, for code that runs under no engine
 
 
 def active() -> Engine:

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..cost.lowrank import BatchedPowerSGD, batched_powersgd_hook
 from ..cost.model import DEFAULT_RANKS
 from ..wrap import WrapOptions
-from .base import Engine
+from .torchdist import TorchEngine
 
 __all__ = ["DDPEngine", "bf16_compress_any_backend", "register_comm_hook", "comm_hook_for",
            "COMM_HOOKS"]
@@ -27,7 +27,7 @@ __all__ = ["DDPEngine", "bf16_compress_any_backend", "register_comm_hook", "comm
 COMM_HOOKS = ("fp16", "bf16", "powersgd", "powersgd-batched", "auto")
 
 
-class DDPEngine(Engine):
+class DDPEngine(TorchEngine):
     """Each process holds a replica; DDP all-reduces gradient buckets during backward.
 
     With one process the model is only moved to its device (nothing to synchronise).

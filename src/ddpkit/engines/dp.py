@@ -13,12 +13,12 @@ from torch.nn import DataParallel
 from ..env.detect import ClusterEnv
 from ..errors import ConfigError
 from ..wrap import WrapOptions
-from .base import Engine
+from .torchdist import TorchEngine
 
 __all__ = ["DPEngine"]
 
 
-class DPEngine(Engine):
+class DPEngine(TorchEngine):
     """Scatter each batch over the GPUs of this process, gather the outputs, reduce in backward.
 
     Example::

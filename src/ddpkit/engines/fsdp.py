@@ -16,7 +16,7 @@ from ..env.detect import ClusterEnv
 from ..env.dist import resolve_backend
 from ..errors import ConfigError
 from ..wrap import WrapOptions
-from .base import Engine
+from .torchdist import TorchEngine
 
 __all__ = ["FSDPEngine", "shard_units"]
 
@@ -61,7 +61,7 @@ def shard_units(model: nn.Module, units: Units = None) -> List[nn.Module]:
     return out
 
 
-class FSDPEngine(Engine):
+class FSDPEngine(TorchEngine):
     """Fully sharded data parallel (FSDP2): parameters, gradients and optimizer state split
     across ranks. With one process the model is only moved to its device.
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.files import resolve_resume
+from ..data.batch import Spelling, good_sizes, split_batch
 from ..engines import create as create_engine
 from ..errors import ConfigError
 from ..wrap import WrapOptions, check_compile
@@ -25,9 +26,16 @@ __all__ = ["check_config", "check_every_world", "micro_batch_size", "check_batch
            "known_train_size", "check_resume"]
 
 
+#: The batch rule's numbers as `ddpkit train` takes them (no per-rank batch flag: the global one
+#: is the job's, on any number of processes).
+CLI = Spelling("--batch-size", "--accum-steps", None, " ")
+
+
 def micro_batch_size(cfg: TrainConfig, world_size: int, samples: Optional[int] = None) -> int:
-    """Per-rank batch of one micro-step: the global batch / (processes x accumulation steps);
-    one line, with sizes that work for these numbers, when there is none.
+    """Per-rank batch of one micro-step: the global batch / (processes x accumulation steps),
+    by the one rule (:func:`ddpkit.data.batch.split_batch`); the job also wants every rank a
+    sample each micro-step and an epoch of at least one full batch. One line, with sizes that
+    work for these numbers, when there is none.
 
     Example::
 
@@ -36,9 +44,9 @@ def micro_batch_size(cfg: TrainConfig, world_size: int, samples: Optional[int] =
     if cfg.accum_steps < 1:
         raise ConfigError(f"--accum-steps must be >= 1, got {cfg.accum_steps}")
     unit = world_size * cfg.accum_steps  # every micro-step gives each rank at least one sample
-    split = f"{world_size} processes" + (f" x {cfg.accum_steps} accumulation steps"
-                                         if cfg.accum_steps > 1 else "")
     if samples is not None and samples < unit:
+        split = f"{world_size} processes" + (f" x {cfg.accum_steps} accumulation steps"
+                                             if cfg.accum_steps > 1 else "")
         more = (f"--synthetic-samples {unit} or more" if dataset_key(cfg.data) == "synthetic"
                 else "a larger dataset")
         most = samples // cfg.accum_steps
@@ -47,18 +55,12 @@ def micro_batch_size(cfg: TrainConfig, world_size: int, samples: Optional[int] =
         raise ConfigError(f"the {samples} training sample{'s' if samples != 1 else ''} of "
                           f"{cfg.data!r} cannot give each of "
                           f"{split} a sample: use {more}, or {fewer}")
-    batch = cfg.batch_size
-    if batch % unit == 0 and (samples is None or batch <= samples):
-        return batch // unit
-    if batch % unit:
-        why = f"--batch-size {batch} cannot be split evenly over {split}"
-        if cfg.accum_steps > 1 and (batch // world_size) * world_size == batch:
-            why = (f"--accum-steps {cfg.accum_steps} cannot split the per-process batch "
-                   f"{batch // world_size} (global {batch} / {world_size} processes)")
-    else:
-        why = (f"--batch-size {batch} is larger than the {samples} training samples of "
-               f"{cfg.data!r}: an epoch would be less than one full batch")
-    raise ConfigError(f"{why}; use --batch-size {_good_sizes(batch, unit, samples)}")
+    micro = split_batch(cfg.batch_size, world_size, cfg.accum_steps, CLI, most=samples)
+    if samples is not None and cfg.batch_size > samples:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {samples} training "
+                          f"samples of {cfg.data!r}: an epoch would be less than one full "
+                          f"batch; use --batch-size {good_sizes(cfg.batch_size, unit, samples)}")
+    return micro
 
 
 def check_every_world(cfg: TrainConfig, nproc: int, least: int, most: int,
@@ -77,21 +79,12 @@ def check_every_world(cfg: TrainConfig, nproc: int, least: int, most: int,
             micro_batch_size(cfg, nodes * nproc, samples)
         except ConfigError as exc:
             where = f"--nnodes {least}:{most}: on {nodes} node{'s' if nodes > 1 else ''}"
-            sizes = _good_sizes(cfg.batch_size, unit, samples)
+            sizes = good_sizes(cfg.batch_size, unit, samples)
             if "cannot be split" not in str(exc):  # too few samples: the line says what to do
                 raise ConfigError(f"{where} {exc}") from None
             fix = (f"use a --batch-size every node count splits: {sizes}" if sizes else
                    "no batch size fits every node count with this data: narrow the range")
             raise ConfigError(f"{where} {str(exc).split(';')[0]}; {fix}") from None
-
-
-def _good_sizes(batch: int, unit: int, samples: Optional[int]) -> str:
-    """The multiples of ``unit`` nearest to ``batch`` that fit in ``samples``: 'A or B', 'A'."""
-    top = samples if samples is not None else max(batch, unit) + unit
-    below = min(batch, top) // unit * unit
-    above = below + unit
-    sizes = [size for size in (below, above) if unit <= size <= top]
-    return " or ".join(str(size) for size in sizes)
 
 
 def check_config(cfg: TrainConfig, world_size: int, cuda: bool,

@@ -14,7 +14,7 @@ from typing import Iterator, List, Mapping, Optional, Union
 
 import torch
 
-from ..checkpoint.files import list_checkpoints
+from ..checkpoint.files import resume_order
 from ..checkpoint.write import RESUME_COMMAND_VAR
 from ..faults.crash import LAUNCHER_PID_VAR
 from ..engines import create as create_engine
@@ -167,11 +167,17 @@ def resume_hint(cfg: TrainConfig, config_path: str) -> str:
         resume_hint(cfg, "runs/demo/config.json")
         # '; last checkpoint runs/demo/checkpoints/ckpt-000000120.pt: continue with ...'
     """
-    found = list_checkpoints(os.path.join(cfg.output, "checkpoints"))
+    directory = os.path.join(cfg.output, "checkpoints")
+    found = resume_order(directory)
     again = f"ddpkit train --config {config_path} --resume auto"
+    # a save the stop cut short (the workers killed at the launcher's deadline) left its
+    # temporary file: say it was not kept, and which one the resume takes instead
+    cut = sorted(name[:-4] for name in (os.listdir(directory) if os.path.isdir(directory) else ())
+                 if name.startswith("ckpt-") and name.endswith(".pt.tmp"))
+    unfinished = f"; {cut[-1]} was being written and is not kept" if cut else ""
     if not found:
-        return f"; no checkpoint yet: `{again}` starts it afresh"
-    return f"; last checkpoint {found[-1]}: continue with `{again}`"
+        return f"{unfinished}; no checkpoint yet: `{again}` starts it afresh"
+    return f"{unfinished}; last checkpoint {found[0]}: continue with `{again}`"
 
 
 def _save(cfg: TrainConfig) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import comm
 from ..cost.auto import choice_of
+from ..checkpoint.names import checkpoint_name, list_checkpoints
 from ..checkpoint.write import SaveError
 from ..log import RunLogger, banner
 from ..loop import CheckpointPolicy, FitConfig, TrainState, fit
@@ -21,7 +22,7 @@ from ..data.resident import describe
 from ..runtime import setup
 from ..seed import seed_everything
 from .build import build_datasets, build_optimizer, build_scheduler, build_wrapped_model
-from .check import check_batch_fits, check_config, micro_batch_size
+from .check import check_batch_fits, check_config
 from .config import RECORDED, TrainConfig, config_from_dict
 from .datasets import dataset_key
 
@@ -69,8 +70,7 @@ def train(cfg: TrainConfig) -> TrainState:
     # Weights were initialised identically; from here on each rank gets its own random stream,
     # so augmentation done in the main process (workers=0) differs between ranks.
     seed_everything(cfg.seed, rank_offset=1 + rt.rank)
-    micro = micro_batch_size(cfg, rt.world_size)
-    loader = rt.loader(train_set, batch_size=cfg.batch_size, per_rank_batch=micro,
+    loader = rt.loader(train_set, batch_size=cfg.batch_size, accum_steps=cfg.accum_steps,
                        seed=cfg.seed, num_workers=cfg.workers, resident=cfg.device_data)
     again = rt.env.restart_count > 0  # a restart: the launcher said why; the set-up is the same
     if loader.resident is not None and not again:
@@ -82,7 +82,7 @@ def train(cfg: TrainConfig) -> TrainState:
                                           math.ceil(len(loader) / cfg.accum_steps))
     if not again:
         comm.print0(f"train: {len(train_set)} samples, test: {len(test_set)} samples, "
-                    f"{len(loader)} micro-batches of {micro} per process per epoch")
+                    f"{len(loader)} micro-batches of {loader.batch_size} per process per epoch")
     state = fit(rt, model, optimizer, loader, fit_config(cfg, rt, test_set, scheduler, interval))
     _report(cfg, state, choice_of(model))
     rt.shutdown()
@@ -102,15 +102,11 @@ def _report(cfg: TrainConfig, state: TrainState, chosen: Any = None) -> None:
         summary["comm_hook"] = chosen.to_dict()
     path = os.path.join(cfg.output, "results.json")
     try:
-        with open(path, "w") as f:
-            json.dump(summary, f, indent=2)
+        _write_json(path, summary)  # whole or not at all: never an empty results.json
         if chosen is not None:
             _record_choice(os.path.join(cfg.output, "config.json"), chosen.to_dict())
-    except OSError as exc:  # a full disk at the very end: the run and its checkpoints are done
-        raise SaveError(f"cannot write {path} ({exc.strerror or exc}); the run finished and its "
-                        f"checkpoints are intact: free space, then `ddpkit train --config "
-                        f"{os.path.join(cfg.output, 'config.json')} --resume auto` writes it "
-                        "again") from None
+    except OSError as exc:  # a full disk at the very end: the training itself is done
+        raise SaveError(_not_written(cfg, path, exc, summary, state.step)) from None
     if "eval/perplexity" in last:
         print(f"final: validation loss {last['eval/loss']:.4f}, perplexity "
               f"{last['eval/perplexity']:.2f}, next-byte top-1 {last['eval/top1']:.2f}% over "
@@ -119,6 +115,33 @@ def _report(cfg: TrainConfig, state: TrainState, chosen: Any = None) -> None:
         print(f"final: top-1 {last['eval/top1']:.2f}% on {last['eval/count']} test samples "
               f"(best {state.best:.2f}% at epoch {state.best_epoch}); run dir {cfg.output}",
               flush=True)
+
+
+def _write_json(path: str, values: Any) -> None:
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(values, f, indent=2)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _not_written(cfg: TrainConfig, path: str, exc: OSError, summary: dict, step: int) -> str:
+    """The line for a results.json the disk refused: resumable from the checkpoint of the run's
+    last step when there is one; otherwise the summary is printed (not lost) and no command that
+    would train again from the start is suggested."""
+    why = f"cannot write {path} ({exc.strerror or exc})"
+    if checkpoint_name(step) in {p.name for p in
+                                 list_checkpoints(os.path.join(cfg.output, "checkpoints"))}:
+        return (f"{why}; the run finished and its last checkpoint (step {step}) is intact: free "
+                f"space, then `ddpkit train --config {os.path.join(cfg.output, 'config.json')} "
+                "--resume auto` writes it again")
+    print("results: " + json.dumps(summary), flush=True)
+    return (f"{why}; the run finished but kept no checkpoint of its last step (step {step}), so "
+            "nothing can write it later: its results are the `results:` line above (a rerun "
+            "would train again from the start)")
 
 
 def _record_choice(path: str, chosen: dict) -> None:
