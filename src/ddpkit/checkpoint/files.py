@@ -271,7 +271,8 @@ def find_latest(directory: PathLike,
                 map_location: Any = None) -> Optional[Tuple[Path, dict]]:
     """The newest loadable checkpoint in ``directory`` and its state, or ``None`` if there is none.
 
-    Tries the ``latest`` pointer first, then every checkpoint newest first; unreadable ones
+    Tries them in :func:`resume_order` (a checkpoint written after the ``latest`` pointer last
+    moved, the pointer's, then the rest newest first); unreadable ones
     (torn, corrupted, refused) are skipped with a warning. Raises :class:`ConfigError` when
     checkpoints exist but none of them loads (rather than silently starting over).
 
@@ -282,14 +283,14 @@ def find_latest(directory: PathLike,
             path, state = found
     """
     directory = Path(directory).expanduser()
-    files = list_checkpoints(directory)
-    for path in resume_order(directory):
+    order = resume_order(directory)
+    for path in order:
         try:
             return path, _with_shards(path, load_checkpoint(path, map_location))
         except ConfigError as exc:
             warnings.warn(f"{exc}; skipping it", stacklevel=2)
-    if files:
-        raise ConfigError(f"none of the {len(files)} checkpoints in {directory} could be loaded "
+    if order:
+        raise ConfigError(f"none of the {len(order)} checkpoints in {directory} could be loaded "
                           "(see the warnings); move them away to start fresh")
     return None
 

@@ -41,10 +41,8 @@ def micro_batch_size(cfg: TrainConfig, world_size: int, samples: Optional[int] =
 
         micro_batch_size(TrainConfig(batch_size=256, accum_steps=2), world_size=4)   # 32
     """
-    if cfg.accum_steps < 1:
-        raise ConfigError(f"--accum-steps must be >= 1, got {cfg.accum_steps}")
     unit = world_size * cfg.accum_steps  # every micro-step gives each rank at least one sample
-    if samples is not None and samples < unit:
+    if samples is not None and 0 < unit and samples < unit:  # (split_batch refuses unit < 1)
         split = f"{world_size} processes" + (f" x {cfg.accum_steps} accumulation steps"
                                              if cfg.accum_steps > 1 else "")
         more = (f"--synthetic-samples {unit} or more" if dataset_key(cfg.data) == "synthetic"

@@ -9,12 +9,13 @@ import math
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from .. import comm
 from ..cost.auto import choice_of
 from ..checkpoint.names import checkpoint_name, list_checkpoints
-from ..checkpoint.write import SaveError
+from ..checkpoint.write import SaveError, atomic_write
 from ..log import RunLogger, banner
 from ..loop import CheckpointPolicy, FitConfig, TrainState, fit
 from ..precision import Precision, gpu_math
@@ -118,14 +119,8 @@ def _report(cfg: TrainConfig, state: TrainState, chosen: Any = None) -> None:
 
 
 def _write_json(path: str, values: Any) -> None:
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(values, f, indent=2)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    # through checkpoint.write's atomic write (temp file, fsync, rename): whole or not at all
+    atomic_write(Path(path), lambda f: f.write(json.dumps(values, indent=2).encode()))
 
 
 def _not_written(cfg: TrainConfig, path: str, exc: OSError, summary: dict, step: int) -> str:
@@ -150,9 +145,7 @@ def _record_choice(path: str, chosen: dict) -> None:
     with open(path) as f:
         values = json.load(f)
     values[RECORDED[0]] = chosen
-    with open(path + ".tmp", "w") as f:
-        json.dump(values, f, indent=2)
-    os.replace(path + ".tmp", path)
+    _write_json(path, values)
 
 
 USAGE = ("usage: python -m ddpkit.job.train CONFIG.json\n\nThe worker of `ddpkit train`: runs "
