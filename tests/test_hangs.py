@@ -191,6 +191,15 @@ Net()(torch.ones(1))
 """
 
 
+def _wchan(pid):
+    """The kernel function process ``pid`` sleeps in (``hrtimer_nanosleep`` in time.sleep)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 @pytest.mark.skipif(shutil.which("py-spy") is None and not os.access(
     os.path.join(os.path.dirname(sys.executable), "py-spy"), os.X_OK), reason="needs py-spy")
 def test_the_stack_of_a_stopped_process_is_read(tmp_path):
@@ -199,6 +208,11 @@ def test_the_stack_of_a_stopped_process_is_read(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "in\n"
+        # stop it in its sleep (line 6), not between the print and the sleep: "in" arrives
+        # before the process reaches time.sleep
+        deadline = time.monotonic() + 30
+        while "sleep" not in _wchan(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(proc.pid, signal.SIGSTOP)
         stack = python_stack(proc.pid)
     finally:

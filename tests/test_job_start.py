@@ -214,6 +214,27 @@ def test_ctrl_c_in_the_first_seconds_of_train_is_one_line(tmp_path):
         assert "interrupted" in lines[0] and "Traceback" not in err
 
 
+INTERRUPTED_WHILE_LOADING = """
+import os, runpy, signal, sys
+class Interrupt:   # Ctrl-C arrives while ddpkit.cli.bench is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "ddpkit.cli.bench":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["ddpkit", "train", "--help"]
+runpy.run_module("ddpkit", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_the_commands_modules_load_is_one_line():
+    # the window the sweep above once hit at 1.5 s (a CI-like run): `python -m ddpkit` importing
+    # ddpkit.cli, after ddpkit itself loaded
+    res = subprocess.run([sys.executable, "-c", INTERRUPTED_WHILE_LOADING], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 130 and res.stderr.splitlines() == ["interrupted"], res.stderr
+
+
 def test_a_worker_interrupted_before_setup_leaves_quietly(tmp_path):
     # the window the sweep above hits only by chance (a CI run once caught it): the launcher
     # forwards Ctrl-C while the worker's job modules load or its config is read, before setup()

@@ -34,6 +34,7 @@ PY = sys.executable
 RUN = [PY, "-m", "ddpkit", "run"]
 RESUME = os.path.join(HERE, "resume_script.py")
 SLOW_JOB = os.path.join(HERE, "multinode_script.py")
+STALL_JOB = os.path.join(HERE, "stall_script.py")
 PORT = 29400
 TIMEOUT_S = 6  # collective timeout of the fault scenarios
 
@@ -355,11 +356,32 @@ def _elastic_reference(tmp):
 
 
 
+def _stall(fault):
+    """3 nodes, one rank each, default settings: rank 2 stops making progress at step 30
+    (``loop``: an infinite loop in the script; ``stop``: SIGSTOP). Records how long after the
+    fault node 0 printed the report; the job then waits out its 20 s collective timeout."""
+    def scenario(tmp):
+        with Cluster(3, workdir=os.path.join(tmp, "nodes")) as c:
+            for i in range(3):
+                c.start(i, RUN + node_args(c, 3, ["--timeout", "20"])
+                        + [STALL_JOB, "--fault", fault, "--rank", "2", "--at", "30",
+                           "--out", tmp], cwd=ROOT)
+            wait_for(lambda: "fault at" in c.output(2), 150, "the fault")
+            began = float(re.search(r"fault at ([\d.]+)", c.output(2)).group(1))
+            wait_for(lambda: " is stuck: " in c.output(0), 60, "the stall report on node 0")
+            named = time.time() - began
+            result = _finish(c, 90, cut=time.monotonic(), nodes=[0])
+            result.update(named_after=named, host=c.hostname(2))
+            return result
+    return scenario
+
+
 SCENARIOS = {"shrink_and_grow": _shrink_and_grow, "elastic_reference": _elastic_reference,
              "too_few": _too_few, "partition": _partition, "kill": _kill, "kill_launcher": _kill_launcher,
              "unreachable": _unreachable,
              "same_node_rank": _same_node_rank, "nnodes": _mismatched_nnodes,
-             "late_within": _late(15, 90), "late_beyond": _late(None, 12)}
+             "late_within": _late(15, 90), "late_beyond": _late(None, 12),
+             "stall_loop": _stall("loop"), "stall_stop": _stall("stop")}
 
 
 @pytest.fixture(scope="module")
@@ -426,6 +448,22 @@ def test_partition_every_node_exits_with_the_collective_timeout(outcomes):
     assert r["after"][0] < TIMEOUT_S + 25, r["after"]
     assert r["after"][1] < TIMEOUT_S + 20 + 30, r["after"]
     assert "torchrun's agent is stuck on the rendezvous store" in r["out"][1]
+
+
+@pytest.mark.parametrize("fault", ["loop", "stop"])
+def test_a_stuck_rank_on_another_node_is_named_within_10_s(outcomes, fault):
+    r = outcome(outcomes, f"stall_{fault}")
+    assert r["named_after"] < 10, (r["named_after"], r["out"][0][-3000:])
+    named = [line for line in r["out"][0].splitlines() if " is stuck: " in line]
+    assert len(named) == 1 and named[0].startswith("ddpkit: rank 2 (pid "), r["out"][0][-3000:]
+    assert f" on {r['host']}, " in named[0] and "ranks 0, 1 (at step 30)" in named[0], named
+    if fault == "loop":   # its own watch thread wrote where it is
+        after = r["out"][0].split(named[0], 1)[1].strip().splitlines()
+        assert after[0].startswith("fault (stall_script.py:"), r["out"][0][-3000:]
+    else:                 # stopped, alone on its node: nobody there can read its stack
+        assert "no word from it for" in named[0] and "no rank on its host" in named[0], named
+    assert "the job keeps waiting" in r["out"][0]
+    assert r["codes"][0] == 1 and "timed out after 20 s" in r["out"][0]
 
 
 def test_killed_node_makes_the_other_exit_quickly(outcomes):

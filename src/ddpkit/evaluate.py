@@ -20,6 +20,7 @@ from .data.batches import channels_last as to_channels_last
 from .data.batches import (forward, is_regression, logits_of, loss_sum, regression_pair, step_outputs,
                       step_sums, sum_count, targets_of, to_device, topk_hits)
 from .errors import ConfigError
+from .faults import stall
 from .precision import Precision
 from .data.resident import choose_resident, resident_batches
 from .seed import preserved_rng
@@ -124,7 +125,7 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     was_training = net.training
     # The loader's base seed and a dataset's random augmentation draw from the global streams:
     # without this, evaluating mid-training would change the training batches after it.
-    with preserved_rng(), rank0_buffers(net):
+    with preserved_rng(), rank0_buffers(net), stall.phase("evaluation"):
         net.eval()
         try:
             batches = _eval_batches(data, batch_size, num_workers, device, resident, collate_fn)

@@ -25,6 +25,7 @@ from .data.loader import DistributedLoader, make_loader
 from .env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from .env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
 from .evaluate import evaluate
+from .faults import stall
 from .faults.hangs import Heartbeat
 from .checkpoint.checkpointer import Checkpointer
 from .seed import seed_everything, set_deterministic
@@ -189,6 +190,7 @@ class Runtime:
 
             rt.shutdown()
         """
+        stall.stop_current()  # its thread uses the group's store
         self.engine.shutdown()
 
     def __enter__(self) -> "Runtime":
@@ -209,6 +211,17 @@ def _rank_hint(environ: Mapping[str, str]) -> int:
         with contextlib.suppress(KeyError, ValueError):
             return int(environ[name])
     return 0
+
+
+def _watch_for_stalls(heartbeat: Heartbeat, store: Any, world_size: int,
+                      timeout: timedelta) -> None:
+    """A rank the others wait for is named within seconds (:mod:`.faults.stall`), on one node or
+    several; ``DDPKIT_STALL_AFTER=0`` (``ddpkit run --stall-after 0``) turns it off."""
+    after = stall.after_from_env()
+    if after > 0 and world_size > 1 and store is not None:
+        watch = stall.StallWatch(heartbeat, store, after=after,
+                                 timeout=timeout.total_seconds()).start()
+        atexit.register(watch.stop)  # after the group's exit handler: runs before it
 
 
 def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
@@ -257,6 +270,7 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     heartbeat.watch_optimizers()  # a script's own loop: hang reports name its last optimizer step
     if heartbeat.store is not None:  # registered after the group's exit handler: runs first
         atexit.register(heartbeat.leaving)
+    _watch_for_stalls(heartbeat, chosen.store(), env.world_size, timeout)
     if backend_name is not None:  # PyTorch wrapped the hook at init; ours goes on top
         install_error_hook(env.rank, stops=stops, heartbeat=heartbeat, single_node=single_node)
     if seed is not None:

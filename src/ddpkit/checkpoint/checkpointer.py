@@ -23,6 +23,7 @@ from .advice import cadence_line, grace_line, restarts_allowed, world_change_lin
 from ..seed import rng_state, set_rng_state
 from .shared_dir import check_shared
 from .sharded import is_sharded, load_full_state, load_shards, remove_shards, save_shards
+from ..faults import stall
 from ..faults.stops import StopRequested, signal_name
 from ..wrap import unwrap
 
@@ -225,16 +226,18 @@ class Checkpointer:
             return None
         began = time.monotonic()
         shards = None
-        if is_sharded(unwrap(self.model)):  # every rank writes its shard first
-            shards = save_shards(self.model, self.optimizer, self.directory, self.global_step)
-        try:
-            path = save_checkpoint(self.state_dict(shards), self.directory, self.global_step,
-                                   self.keep)
-        except Exception:
-            written = self.directory / checkpoint_name(self.global_step)
-            if shards and self.rt.is_main and not written.is_file():  # shards nothing names
-                remove_shards(written)
-            raise
+        with stall.phase("checkpoint save"):  # the others may wait a while: not a stall
+            if is_sharded(unwrap(self.model)):  # every rank writes its shard first
+                shards = save_shards(self.model, self.optimizer, self.directory,
+                                     self.global_step)
+            try:
+                path = save_checkpoint(self.state_dict(shards), self.directory,
+                                       self.global_step, self.keep)
+            except Exception:
+                written = self.directory / checkpoint_name(self.global_step)
+                if shards and self.rt.is_main and not written.is_file():  # nothing names them
+                    remove_shards(written)
+                raise
         self._last_save_time = time.monotonic()
         self.last_saved, self.saved_step = path, self.global_step
         measured = self.global_step - self._first_step  # steps timed since this process began

@@ -11,9 +11,10 @@ from ..errors import ConfigError
 from ..env.detect import BACKEND_VAR, TIMEOUT_VAR
 from ..env.dist import BACKENDS
 from ..env.k8s import pod_launch
+from ..faults.stall import AFTER_VAR as STALL_VAR
 from ..launchers.torchrun import RunConfig
 
-__all__ = ["add_launch_flags", "pass_backend", "pass_timeout", "run_config", "parse_nnodes", "from_pod"]
+__all__ = ["add_launch_flags", "pass_backend", "pass_timeout", "add_stall_flag", "pass_stall_after", "run_config", "parse_nnodes", "from_pod"]
 
 # (flags, argparse keywords): the RunConfig field is the dest.
 _LAUNCH_FLAGS = (
@@ -94,6 +95,35 @@ def pass_timeout(seconds: Optional[float]) -> None:
     if not 0 < seconds < float("inf"):
         raise ConfigError(f"--timeout must be a number of seconds > 0, got {seconds:g}")
     os.environ[TIMEOUT_VAR] = repr(float(seconds))
+
+
+def add_stall_flag(parser: argparse.ArgumentParser) -> None:
+    """``--stall-after S``: seconds the ranks wait for one that does not move before it is named.
+
+    Example::
+
+        add_stall_flag(sub.add_parser("run"))
+    """
+    parser.add_argument("--stall-after", type=float, default=None, metavar="S",
+                        help="seconds the other ranks wait for a rank that makes no progress "
+                             "before it is named with its stack (default 5; 0: off); the job "
+                             "goes on waiting until --timeout")
+
+
+def pass_stall_after(seconds: Optional[float]) -> None:
+    """Hand ``--stall-after`` to the ranks (``DDPKIT_STALL_AFTER``); one line for a value that
+    is not a number of seconds >= 0.
+
+    Example::
+
+        pass_stall_after(0)   # no stall reports
+    """
+    if seconds is None:
+        return
+    if not 0 <= seconds < float("inf"):
+        raise ConfigError(f"--stall-after must be a number of seconds >= 0 (0: off), "
+                          f"got {seconds:g}")
+    os.environ[STALL_VAR] = repr(float(seconds))
 
 
 def run_config(ns: argparse.Namespace, script: str, script_args: Optional[List[str]] = None,

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from .flags import add_launch_flags, pass_backend, pass_timeout, run_config
+from .flags import (add_launch_flags, add_stall_flag, pass_backend, pass_stall_after,
+                    pass_timeout, run_config)
 
 __all__ = ["add_parser"]
 
@@ -28,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds a collective waits for every rank before the stuck one is "
                         "named and the job stops (default 600; the script's "
                         "ddpkit.setup(timeout=) wins)")
+    add_stall_flag(p)
     add_launch_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", nargs="?", help="the training script (or module with -m)")
@@ -44,4 +46,5 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     pass_backend(ns.backend)
     pass_timeout(ns.timeout)
+    pass_stall_after(ns.stall_after)
     return run(run_config(ns, ns.script, ns.script_args, nproc=ns.nproc, module=ns.module))

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any, Dict
 
 from ..job.config import RENAMED, TrainConfig, field_type, merge, renamed_note
-from .flags import add_launch_flags, run_config
+from .flags import add_launch_flags, add_stall_flag, pass_stall_after, run_config
 
 __all__ = ["add_parser", "resolve"]
 
@@ -55,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "the embedded digits dataset, one process per GPU (2 on "
                                    "CPU), exact evaluation.")
     p.add_argument("--config", help="YAML or TOML file with TrainConfig keys (flags win)")
+    add_stall_flag(p)
     add_launch_flags(p)
     _add_config_flags(p)
     p.set_defaults(func=_cmd_train)
@@ -75,4 +76,5 @@ def resolve(ns: argparse.Namespace) -> TrainConfig:
 def _cmd_train(ns: argparse.Namespace) -> int:
     from ..job.start import WORKER, start
 
+    pass_stall_after(ns.stall_after)
     return start(resolve(ns), run_config(ns, WORKER, module=True))

@@ -46,12 +46,14 @@ class Heartbeat:
         self.last_step: Optional[int] = None
         self.reporter = True   # after not_arrived(): is this the lowest rank that waited?
         self._written = 0.0
+        self._written_step: Optional[int] = None
         self._stepped: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
         self._base = 0         # the step last set by step(n); optimizer steps count from it
 
     def _write(self) -> None:
         if self.store is None:
             return
+        self._written_step = self.last_step
         record = {"host": self.host, "pid": self.pid, "step": self.last_step,
                   "time": time.time()}
         try:
@@ -59,6 +61,12 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - diagnostics must never break training
             self.store = None
         self._written = time.monotonic()
+
+    def flush(self) -> None:
+        """Write the last step now if it changed since the last write (from a watch thread, so
+        a hang report never names a step older than a second)."""
+        if self.store is not None and self.last_step != self._written_step:
+            self._write()
 
     def started(self) -> "Heartbeat":
         """Record host and pid as the job starts."""

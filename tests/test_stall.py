@@ -1,0 +1,227 @@
+"""A stuck rank named within seconds with default settings (ddpkit.faults.stall), and no false
+alarm for work that keeps the others waiting: real 2-process jobs of tests/stall_script.py under
+`ddpkit run`, each line timed against the moment the fault began."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.distributed as tdist
+
+from ddpkit.faults import stall
+from ddpkit.faults.hangs import Heartbeat
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CLEAN = {k: v for k, v in os.environ.items()
+         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                      stall.AFTER_VAR, stall.STRAGGLER_VAR)}
+
+
+def run_job(tmp_path, fault, rank=1, flags=(), env=None, timeout_s=15, script_args=()):
+    """Run the job; return (exit code, [(seconds since the fault began, line)], all text)."""
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "--timeout", str(timeout_s),
+           *flags, os.path.join(HERE, "stall_script.py"), "--fault", fault, "--rank", str(rank),
+           "--out", str(tmp_path), *script_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**CLEAN, **(env or {})}, cwd=str(tmp_path))
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(
+        (time.time(), line.rstrip("\n")) for line in proc.stdout))
+    reader.start()
+    try:
+        code = proc.wait(timeout=150)
+    finally:
+        proc.kill()
+        reader.join()
+    began = next((float(line.split()[-1]) for _, line in lines if line.startswith("fault at")),
+                 None)
+    assert began is not None, "\n".join(line for _, line in lines)
+    return code, [(t - began, line) for t, line in lines], "\n".join(l for _, l in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,how", [("loop", "its Python stack has not moved"),
+                                       ("lock", "its Python stack has not moved"),
+                                       ("read", "its Python stack has not moved"),
+                                       ("stop", "its process is stopped")])
+def test_a_stuck_rank_is_named_with_its_stack_within_10_s(tmp_path, fault, how):
+    code, timed, text = run_job(tmp_path, fault)
+    named = [(t, line) for t, line in timed if line.startswith("ddpkit: rank") and " is stuck: " in line]
+    assert len(named) == 1, text           # once, not once a second
+    seconds, line = named[0]
+    assert seconds < 10, (seconds, text)
+    assert line.startswith("ddpkit: rank 1 (pid ") and f" on {os.uname().nodename}," in line
+    assert how in line and "rank 0 (at step 30)" in line, line
+    assert ("step recorded" if fault == "stop" else "last finished step 30") in line, line
+    after = text.split(line, 1)[1].strip().splitlines()
+    assert after[0].strip().startswith("fault (stall_script.py:"), text   # the stack, innermost
+    assert "the job keeps waiting" in text
+    # a report, not a verdict: the job went on waiting until its collective timeout
+    ended = [t for t, line in timed if "timed out after 15 s" in line]
+    assert ended and ended[0] > 14, text
+    assert code == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,rank,args", [
+    ("eval", 1, ["--seconds", "12"]),      # one rank evaluates alone in the script's own loop
+    ("save", 0, ["--seconds", "3"]),       # ddpkit's checkpoint save, each fsync 3 s
+    ("compile", 1, []),                    # torch.compile's first step on one rank
+    ("loader", 1, ["--seconds", "12"]),    # a DataLoader whose worker starts slowly
+])
+def test_work_that_keeps_the_others_waiting_is_not_called_a_hang(tmp_path, fault, rank, args):
+    code, timed, text = run_job(tmp_path, fault, rank=rank, script_args=args, timeout_s=60)
+    assert code == 0 and text.count("done") == 2, text
+    assert " is stuck: " not in text, text
+    if fault in ("eval", "save", "loader"):   # the others did wait, long enough to be named otherwise
+        finished = max(t for t, line in timed if line == "done")
+        assert finished > 10, text
+
+
+@pytest.mark.slow
+def test_a_straggler_is_one_line_naming_it_and_never_a_hang(tmp_path):
+    code, timed, text = run_job(tmp_path, "straggler", script_args=["--steps", "700"],
+                                env={stall.STRAGGLER_VAR: "15"})
+    assert code == 0 and " is stuck: " not in text, text
+    lines = [line for _, line in timed if "straggler" in line]
+    assert lines and all(line.startswith("ddpkit: rank 1 (pid ") for line in lines), text
+    slower = float(lines[-1].split("straggler: ")[1].split("x slower")[0])
+    assert slower >= 1.5, text
+
+
+@pytest.mark.slow
+def test_stall_after_0_turns_the_reports_off(tmp_path):
+    code, timed, text = run_job(tmp_path, "loop", flags=["--stall-after", "0"], timeout_s=8)
+    assert code == 1 and " is stuck: " not in text and "timed out after 8 s" in text, text
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan"])
+def test_a_bad_stall_after_is_one_line(value):
+    res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--stall-after", value,
+                          "x.py"], capture_output=True, text=True, env=CLEAN, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"error: --stall-after must be a number of seconds >= 0 (0: off), got {float(value):g}"]
+
+
+# ---- the rules, on records written by hand ------------------------------------------------
+
+class Job:
+    """Records of a job's ranks in one store, read by rank 0's watch."""
+
+    def __init__(self, world=3):
+        self.store = tdist.HashStore()
+        self.world = world
+        self.reports = []
+        beat = Heartbeat(None, rank=0, world_size=world)
+        self.watch = stall.StallWatch(beat, self.store, after=5.0, write=self.reports.append,
+                                      stack_of=lambda pid: [f"stopped_here (pid {pid})"])
+
+    def record(self, rank, state="running", still=0.0, age=0.0, host=None, **more):
+        rec = {"host": host or self.watch.host, "pid": 100 + rank, "step": 7, "state": state,
+               "still": still, "phase": None, "phase_for": 0.0, "wait_share": 0.0,
+               "step_s": 0.01, "first": False, "time": time.time() - age,
+               "stack": [f"where_{rank} (x.py:{rank})"], **more}
+        self.store.set(f"ddpkit/watch/{rank}", json.dumps(rec))
+
+
+def test_the_lowest_waiting_rank_names_a_still_rank_once():
+    job = Job()
+    job.record(0, "waiting", still=6)
+    job.record(1, "waiting", still=6)
+    job.record(2, "running", still=6)
+    job.watch._look_for_stuck(6.0)
+    job.watch._look_for_stuck(7.0)     # the same stall: said once
+    assert len(job.reports) == 1
+    first = job.reports[0].splitlines()
+    assert first[0].startswith("ddpkit: rank 2 (pid 102 on ") and "ranks 0, 1 (at step 7)" \
+        in first[0]
+    assert first[1] == "    where_2 (x.py:2)"
+
+
+def test_a_rank_that_moves_or_has_not_waited_long_is_not_named():
+    job = Job(2)
+    job.record(0, "waiting", still=6)
+    job.record(1, "running", still=2)     # its stack moved 2 s ago: working
+    job.watch._look_for_stuck(6.0)
+    assert job.reports == []
+
+
+def test_a_save_an_evaluation_a_dataloader_and_a_first_step_get_a_minute():
+    for more in ({"phase": "checkpoint save", "phase_for": 30.0}, {"state": "loading"},
+                 {"first": True}):
+        job = Job(2)
+        job.record(0, "waiting", still=30)
+        job.record(1, **{"state": "running", "still": 30, **more})
+        job.watch._look_for_stuck(30.0)
+        assert job.reports == [], more
+        job.record(1, **{"state": "running", "still": 61, **more})
+        job.watch._look_for_stuck(61.0)
+        assert len(job.reports) == 1, more
+
+
+def test_a_silent_rank_is_stopped_and_its_stack_read_on_its_host():
+    job = Job(2)
+    job.record(0, "waiting", still=6)
+    job.record(1, "running", age=4)          # no record for 4 s: not running
+    job.watch._look_for_stuck(6.0)
+    assert "no word from it for 4 s (its process is stopped" in job.reports[0]
+    assert "    stopped_here (pid 101)" in job.reports[0]
+
+
+def test_a_silent_rank_on_another_host_is_read_by_a_rank_there():
+    job = Job(3)
+    job.record(0, "waiting", still=6)
+    job.record(1, "waiting", still=6, host="node-b")
+    job.record(2, "running", age=4, host="node-b")
+    helper_beat = Heartbeat(None, rank=1, world_size=3)
+    helper = stall.StallWatch(helper_beat, job.store, stack_of=lambda pid: [f"read_on_b ({pid})"])
+    helper.host = "node-b"
+    answering = threading.Thread(target=lambda: [time.sleep(0.3), helper._answer_stack_asks()])
+    answering.start()
+    job.watch._look_for_stuck(6.0)
+    answering.join()
+    assert "    read_on_b (102)" in job.reports[0]
+
+
+def test_no_rank_waiting_means_no_report():
+    job = Job(2)
+    job.record(0, "running", still=20)
+    job.record(1, "running", still=20)
+    job.watch._look_for_stuck(20.0)
+    assert job.reports == []
+
+
+def test_the_limit_grows_with_long_steps():
+    job = Job(2)
+    job.watch._step_times = [3.0] * 5          # 3 s steps: 4 of them before a stall
+    assert job.watch._limit() == 12.0
+    assert stall.after_from_env({stall.AFTER_VAR: "2.5"}) == 2.5
+    assert stall.after_from_env({stall.AFTER_VAR: "x"}) == stall.DEFAULT_AFTER
+    assert stall.after_from_env({}) == stall.DEFAULT_AFTER
+
+
+def test_the_watch_writes_its_record_and_stops_cleanly():
+    store = tdist.HashStore()
+    beat = Heartbeat(None, rank=0, world_size=2)
+    beat.last_step = 3
+    watch = stall.StallWatch(beat, store, interval=0.1, tick=0.02).start()
+    try:
+        time.sleep(1.3)   # this thread sits still in time.sleep: its stack does not move
+        rec = json.loads(store.get("ddpkit/watch/0"))
+    finally:
+        watch.stop()
+    assert not watch._thread.is_alive() and stall._CURRENT["watch"] is None
+    assert rec["step"] == 3 and rec["pid"] == os.getpid() and rec["state"] == "running"
+    assert rec["still"] >= 1.0 and any("test_the_watch_writes" in f for f in rec["stack"]), rec
+
+
+def test_a_phase_is_recorded_and_restored_when_nested():
+    with stall.phase("evaluation"):
+        with stall.phase("checkpoint save"):
+            assert stall._PHASE["name"] == "checkpoint save"
+        assert stall._PHASE["name"] == "evaluation"
+    assert stall._PHASE["name"] is None
