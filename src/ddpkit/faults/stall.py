@@ -17,11 +17,11 @@ import contextlib
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from .crash import _write
 from .looks import Look, stack_of
 
 __all__ = ["StallWatch", "phase", "after_from_env", "stop_current"]
@@ -31,6 +31,7 @@ DEFAULT_AFTER = 5.0
 _RECORD = "ddpkit/watch/{rank}"
 _STACK_ASK = "ddpkit/watch/stack-ask/{rank}"
 _STACK = "ddpkit/watch/stack/{rank}"
+_ASKS = "ddpkit/watch/stack-asks"    # how many asks so far: a rank scans them only when it grows
 _SILENT = 3.0          # a record older than this: the rank's process is not running
 _LONGER = 60.0         # a save, an evaluation, a DataLoader's wait: named after this long
 STRAGGLER_VAR = "DDPKIT_STRAGGLER_EVERY"   # seconds between straggler lines (default 300)
@@ -109,12 +110,13 @@ class StallWatch:
         self.rank, self.world_size = heartbeat.rank, heartbeat.world_size
         self.after, self.interval, self.tick, self.timeout = after, interval, tick, timeout
         self.host, self.pid = socket.gethostname(), os.getpid()
-        self._write = write or _stderr
+        self._write = write or _write
         self._stack_of = stack_of
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._look: Optional[Look] = None
         self._reported: set = set()
+        self._asks_seen = 0
         self._step_seen: Any = None
         self._step_times: List[float] = []  # seconds between finished steps (recent)
         self._step_at = time.monotonic()
@@ -284,6 +286,7 @@ class StallWatch:
             return self._py_spy(rec["pid"]) or rec.get("stack")
         self.store.set(_STACK_ASK.format(rank=rank), json.dumps(
             {"host": rec["host"], "pid": rec["pid"]}))
+        self.store.add(_ASKS, 1)
         deadline = time.monotonic() + 3.0
         key = _STACK.format(rank=rank)
         while time.monotonic() < deadline:
@@ -296,7 +299,12 @@ class StallWatch:
         return rec.get("stack")
 
     def _answer_stack_asks(self) -> None:
-        """Read the stack of a stopped rank on this host when a reporting rank asks."""
+        """Read the stack of a stopped rank on this host when a reporting rank asks (one
+        store call a second while nobody asks, whatever the world size)."""
+        asks = self.store.add(_ASKS, 0)
+        if asks == self._asks_seen:
+            return
+        self._asks_seen = asks
         for rank in range(self.world_size):
             key = _STACK_ASK.format(rank=rank)
             if rank == self.rank or not self.store.check([key]):
@@ -334,9 +342,3 @@ def _no_stack(silent: bool, here: bool) -> str:
         return ("no rank on its host answered for its stack (a stopped process's stack is read "
                 "with py-spy on its own host)")
     return "its Python stack could not be read (pip install py-spy)"
-
-
-def _stderr(text: str) -> None:
-    stream = sys.__stderr__ or sys.stderr
-    stream.write(text)
-    stream.flush()
