@@ -261,6 +261,47 @@ def test_a_worker_interrupted_before_setup_leaves_quietly(tmp_path):
     assert proc.returncode == 130 and err == "", err[-2000:]
 
 
+INTERRUPTED_WHILE_STARTING = """
+import os, runpy, signal, sys
+from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
+pids, script = sys.argv[1:3]
+class Popen(sh.Popen):   # Ctrl-C arrives after the agent started one worker of two
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with open(pids, "a") as f:
+            f.write(f"{self.pid}\\n")
+        os.kill(os.getpid(), signal.SIGINT)
+sh.Popen = Popen
+sys.argv = ["ddpkit", "run", "--nproc", "2", script]
+runpy.run_module("ddpkit", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_the_agent_starts_the_workers_stops_those_it_started(tmp_path):
+    # a CI run: Ctrl-C at 1.5 s printed the one line, then the output stayed open 120 s. The
+    # agent's handler interrupts start_processes before the agent records the workers, so its
+    # shutdown closed none; the one started ran on in its own session, holding the pipes.
+    pids, script = tmp_path / "pids", tmp_path / "sleeps.py"
+    script.write_text("import time\ntime.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_WHILE_STARTING, str(pids),
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        for pid in (pids.read_text().split() if pids.exists() else ()):
+            try:
+                os.killpg(int(pid), 9)   # a worker the launcher left behind
+            except OSError:
+                pass
+    started = pids.read_text().split()
+    assert len(started) == 1, started
+    assert proc.returncode == 130 and err.splitlines() == [
+        "ddpkit run: interrupted (SIGINT); every worker stopped"], err[-2000:]
+    assert not os.path.exists(f"/proc/{started[0]}"), "the started worker still runs"
+
+
 @pytest.mark.slow
 def test_an_epoch_resumed_mid_way_reports_all_of_it(tmp_path):
     # once: the resumed epoch's loss and sample count covered only the steps after the resume

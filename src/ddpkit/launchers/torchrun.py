@@ -311,15 +311,17 @@ def run(cfg: RunConfig) -> int:
         _quiet_agent_logs()
     previous_pid = os.environ.get(LAUNCHER_PID_VAR)
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # workers die with this process
-    members = None
+    members, before = None, set(watchdog.children())
     try:
         tracking = (elastic.tracking_members(cfg.nnodes_spec, plan.local_addr) if cfg.elastic
                     else contextlib.nullcontext())
         with _guard(cfg, plan.is_host), restarts.naming_restarts(), tracking as members:
             torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
     except SignalException as exc:  # the agent stopped every worker with this signal first
+        watchdog.stop_lost_workers(before)  # those it was starting when the signal came
         return _stopped(cfg, int(exc.sigval))
     except KeyboardInterrupt:  # Ctrl-C before the agent's own handlers were in place
+        watchdog.stop_lost_workers(before)
         return _stopped(cfg, signal.SIGINT)
     except ChildFailedError as exc:
         stopped = _stop_signal(exc)

@@ -4,15 +4,16 @@ agent is stuck on the store exits, and a node started with another ``--nnodes`` 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from .network import split_endpoint
 
-__all__ = ["children", "AgentWatchdog", "watch_nnodes"]
+__all__ = ["children", "stop_lost_workers", "AgentWatchdog", "watch_nnodes"]
 
 
 def _stat(pid: str) -> Optional[Tuple[int, str]]:
@@ -44,6 +45,47 @@ def children(pid: Optional[int] = None) -> Dict[int, str]:
         if info is not None and info[0] == parent:
             found[int(entry)] = info[1]
     return found
+
+
+def stop_lost_workers(known: Iterable[int], grace: float = 5.0,
+                      list_children: Callable[[], Dict[int, str]] = children) -> List[int]:
+    """Kill this process's running children that are not in ``known``, with their process
+    groups, and reap them; return their pids.
+
+    A stop signal that reaches torchrun's agent while it starts the workers interrupts
+    ``start_processes`` before the agent has recorded them: its shutdown then closes nothing,
+    and the workers started so far (each in its own session, so a terminal's Ctrl-C misses
+    them too) run on, holding the job's output open. ``ddpkit run`` calls this after a stop
+    with the children it had before it started the agent.
+
+    Example::
+
+        before = set(children())
+        ...   # a stop signal interrupted the agent
+        stop_lost_workers(before)   # [4242]
+    """
+    known = set(known)
+    lost = sorted(pid for pid, state in list_children().items()
+                  if pid not in known and state not in "ZX")
+    for pid in lost:
+        try:
+            if os.getpgid(pid) == pid != os.getpgrp():  # a worker leads its own group
+                os.killpg(pid, signal.SIGKILL)         # with its DataLoader workers
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    waiting = set(lost)
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    waiting.discard(pid)
+            except ChildProcessError:
+                waiting.discard(pid)
+        time.sleep(0.02 if waiting else 0)
+    return lost
 
 
 class AgentWatchdog:
