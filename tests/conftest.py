@@ -50,6 +50,25 @@ MULTINODE_FILES = ("test_multinode.py", "test_launch_network.py", "test_crash.py
                    "test_doctor_multinode.py")
 
 
+@pytest.fixture
+def small_disk(tmp_path, request):
+    """A small tmpfs (root only): 1 MB, or the size a test's ``disk_size`` marker gives."""
+    import subprocess
+    marker = request.node.get_closest_marker("disk_size")
+    size = marker.args[0] if marker else "1m"
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (the 'fsize' own-loop tests cover the "
+                    "same path with a file-size limit)")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 def pytest_collection_modifyitems(config, items):
     """Multi-node tests (network namespaces; they skip with the reason when not root or without
     `ip netns`) carry the `multinode` marker: part of `make test`; `make test-multinode` runs

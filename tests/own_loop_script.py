@@ -74,7 +74,7 @@ def own_loop(rt, args):
     val_set = Augmented(n=40, seed=5)
     ckpt = rt.checkpointer(os.path.join(args.out, "ckpt"), model=model, optimizer=opt,
                            scheduler=sched, loader=loader, every_steps=args.every, keep=2,
-                           extra={"evals": []})
+                           extra={"evals": []}, async_save=args.async_save)
     ledger = Ledger(args.out, rt.rank, attempt(rt, args), rt.world_size,
                     (ckpt.epoch, loader.state_dict()["samples_done"]))
     for epoch in range(ckpt.epoch, args.epochs):
@@ -138,7 +138,8 @@ def with_fit(rt, args):
         accum_steps=args.accum, progress=False, hooks=[_LedgerHook(args)],
         step=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
         checkpoint=ddpkit.CheckpointPolicy(os.path.join(args.out, "ckpt"),
-                                           every_steps=args.every, keep=2, resume="auto"))
+                                           every_steps=args.every, keep=2, resume="auto",
+                                           async_save=args.async_save))
     return model, state.step, []
 
 
@@ -155,6 +156,7 @@ def main():
     p.add_argument("--signal", default="SIGKILL")
     p.add_argument("--attempt", type=int, default=None, help="default: the restart count")
     p.add_argument("--fit", action="store_true", help="train with ddpkit.fit instead")
+    p.add_argument("--async-save", action="store_true", help="checkpoints written in the background")
     p.add_argument("--engine", default="auto", help="ddp (auto) or fsdp")
     p.add_argument("--backend", default=None, help="process group backend (gloo: ranks share a GPU)")
     args = p.parse_args()

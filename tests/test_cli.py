@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -294,6 +295,24 @@ def test_train_resume_auto_and_bad_checkpoints(tmp_path):
 
     res = ddpkit("train", "--resume", str(tmp_path / "nope.pt"), timeout=60)
     assert res.returncode == 2 and "does not exist" in error_lines(res.stderr)[0]
+
+
+@pytest.mark.slow
+def test_train_with_async_checkpoints_resumes_to_the_same_run_as_synchronous_ones(tmp_path):
+    common = ["train", "--epochs", "2", "--ckpt-every-steps", "5", "--resume", "auto"]
+    whole = ddpkit(*common, "--output", str(tmp_path / "sync"))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    out = tmp_path / "async"
+    first = ddpkit(*common, "--output", str(out), "--ckpt-async", "--max-steps", "12")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "asynchronous checkpoints: a " in first.stdout and "snapshot" in first.stdout
+    again = ddpkit(*common, "--output", str(out), "--ckpt-async")
+    assert again.returncode == 0 and "ckpt-000000012.pt" in again.stdout, again.stderr[-2000:]
+    ends = [torch.load(sorted((run / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
+            for run in (tmp_path / "sync", out)]
+    assert ends[0]["progress"] == ends[1]["progress"]
+    for name, value in ends[0]["model"].items():
+        assert torch.equal(value, ends[1]["model"][name]), name
 
 
 # ----------------------------------------------------------------------------- issue 22

@@ -33,22 +33,6 @@ def _ddpkit(*args, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MB tmpfs: room for three checkpoints of the default job (287 kB each), not four."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (the 'fsize' own-loop tests cover the "
-                    "same path with a file-size limit)")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_ddpkit_train_on_a_full_disk_is_one_line_and_resumes_from_the_newest_checkpoint(
         small_disk):
     out = small_disk / "run"
@@ -117,7 +101,7 @@ def _no_room(directory, how):
             os.unlink(filler)
 
 
-def own_loop_on_a_full_disk(directory, engine, how):
+def own_loop_on_a_full_disk(directory, engine, how, async_save=False):
     """Every rank: one checkpoint, then a save with no room for it; what each rank saw."""
     rt = ddpkit.setup(engine=engine)
     torch.manual_seed(0)
@@ -125,22 +109,27 @@ def own_loop_on_a_full_disk(directory, engine, how):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     error = None
     with rt.checkpointer(directory, model=model, optimizer=optimizer, every_steps=1,
-                         resume=None) as ckpt:
+                         resume=None, async_save=async_save) as ckpt:
         ckpt.step()  # step 1: written
+        ckpt.wait()
         with _no_room(directory, how):
             try:
                 ckpt.step()
+                ckpt.wait()  # async: the background write's failure, on every rank
             except DDPKitError as exc:
                 error = f"{type(exc).__name__}: {exc}"
     return {"errors": comm.gather_object(error), "listing": sorted(os.listdir(directory))}
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+@pytest.mark.parametrize("engine,async_save", [("ddp", False), ("fsdp", False), ("ddp", True),
+                                               ("fsdp", True)])
 @pytest.mark.parametrize("how", ["fsize", "full"])
 def test_a_save_with_no_room_in_a_users_own_loop_is_one_error_on_every_rank(tmp_path, engine,
-                                                                            how, request):
+                                                                            async_save, how,
+                                                                            request):
     directory = (request.getfixturevalue("small_disk") if how == "full" else tmp_path) / "ckpt"
-    out = ddpkit.launch(own_loop_on_a_full_disk, 2, str(directory), engine, how, timeout=120)
+    out = ddpkit.launch(own_loop_on_a_full_disk, 2, str(directory), engine, how, async_save,
+                        timeout=120)
     first = directory / "ckpt-000000001.pt"
     what = "checkpoint" if engine == "ddp" else "sharded checkpoint"
     suffix = "pt" if engine == "ddp" else "shards"

@@ -31,6 +31,7 @@ class CheckpointPolicy:
     every_epoch: bool = True
     keep: int = 3
     resume: Optional[str] = None
+    async_save: bool = False  # write in the background; the step waits only for a host copy
 
 
 @dataclass

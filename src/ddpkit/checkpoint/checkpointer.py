@@ -15,14 +15,17 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 from torch import nn
 
 from .. import comm
-from .files import (check_compatible, check_optimizer_compatible, checkpoint_metadata,
-                         checkpoint_name, load_checkpoint, resolve_resume, save_checkpoint)
-from .compat import plain_state
+from .background import BackgroundSaver
+from .files import (_save_on_main, checkpoint_metadata, checkpoint_name, load_checkpoint,
+                    resolve_resume, save_checkpoint)
 from ..errors import ConfigError
 from .advice import cadence_line, grace_line, restarts_allowed, world_change_line
 from ..seed import rng_state, set_rng_state
 from .shared_dir import check_shared
-from .sharded import is_sharded, load_full_state, load_shards, remove_shards, save_shards
+from .write import state_bytes
+from .restore import load_parts, load_weights, next_position, stateful
+from .sharded import (async_group, async_writer, is_sharded, remove_shards, save_shards,
+                      start_shards)
 from ..faults import stall
 from ..faults.stops import StopRequested, signal_name
 from ..wrap import unwrap
@@ -69,7 +72,9 @@ class Checkpointer:
     of ranks), every rank's RNG (Python, NumPy, torch, this GPU's) and ``extra``: values (kept
     in :attr:`extra`, restored there) or objects with ``state_dict`` / ``load_state_dict``
     (restored in place). Writes are atomic; the newest ``keep`` are kept. FSDP models save
-    shards that any world size can read.
+    shards that any world size can read. ``async_save=True``: a save blocks the step only for a
+    copy of the state into host memory (reused); rank 0 writes it in the background, one save
+    in flight at a time, and a checkpoint is named newest only once complete on disk.
 
     Call :meth:`step` last in each optimizer step (after ``scheduler.step()`` and whatever else
     the step changes), and leave the ``with`` block or call :meth:`close` when the loop ends.
@@ -91,7 +96,7 @@ class Checkpointer:
                  extra: Optional[Mapping[str, Any]] = None, every_steps: int = 0,
                  every_minutes: float = 0.0, every_epoch: bool = True, keep: int = 3,
                  resume: Optional[Union[str, Path]] = "auto",
-                 config: Optional[Mapping[str, Any]] = None) -> None:
+                 config: Optional[Mapping[str, Any]] = None, async_save: bool = False) -> None:
         _check_options(every_steps, every_minutes, keep, extra)
         _check_parts(model, loader)
         _check_same_on_every_rank(directory)
@@ -111,6 +116,11 @@ class Checkpointer:
         self._first_step, self._stop_every = 0, 1
         self._cadence_said = False
         self._graceful = contextlib.ExitStack()
+        #: asynchronous saves (None: each save writes before the step goes on)
+        self.background = BackgroundSaver(_save_on_main) if async_save else None
+        sharded = async_save and is_sharded(unwrap(model))  # DCP writes the shards: its own group
+        self._shard_writer = (async_group(), async_writer()) if sharded else None
+        self._waits = 0  # saves in a row that waited for the write before them
         if self.directory is not None:  # several nodes: every one must see the checkpoints
             check_shared(self.directory, rt.env.num_nodes)
         if resume:
@@ -149,7 +159,10 @@ class Checkpointer:
         self.rt.heartbeat.step(self.global_step)  # read by the other ranks if a collective hangs
         due = self._due()  # the same on every rank
         saved = self.save() if due else None
-        signum = self.rt.stops.poll(self.rt.engine) if self._stop_question_due() else None
+        asking = self._stop_question_due()
+        if asking and self.background is not None and not due:
+            self.background.poll()  # a failed write stops every rank here, one line
+        signum = self.rt.stops.poll(self.rt.engine) if asking else None
         if signum is not None:
             self.stop(signum, saved, saved_now=due)
         return saved
@@ -181,6 +194,7 @@ class Checkpointer:
         self.rt.stops.settle()
         if not saved_now:
             saved = self.save()
+        self.wait()  # the stop's checkpoint is on disk before the exit
         # another rank may have asked first: this one got its own signal later, or none
         got = self.rt.stops.received_at
         when = (f"{max(0.0, time.monotonic() - got):.1f} s after the signal" if got is not None
@@ -200,10 +214,22 @@ class Checkpointer:
 
             ckpt.close()   # or: with rt.checkpointer(...) as ckpt: ...
         """
+        self.wait()  # the last save is on disk when the loop is over
         signum = self.rt.stops.ask_now(self.rt.engine)
         self._graceful.close()
         if signum is not None:
             self.stop(signum)
+
+    def wait(self) -> None:
+        """With ``async_save``: wait until the save in flight is on disk (every rank; raises
+        its failure). Saves, stops and :meth:`close` do it themselves.
+
+        Example::
+
+            ckpt.save(); ckpt.wait()   # e.g. before copying the checkpoint elsewhere
+        """
+        if self.background is not None:
+            self.background.finish()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -212,6 +238,8 @@ class Checkpointer:
         if kind is None:
             self.close()
         else:  # an error: no collective (the answer may never come)
+            if self.background is not None:
+                self.background.join()  # a started write is a whole checkpoint: finish it
             self._graceful.close()
 
     # ------------------------------------------------------------------ saving
@@ -225,19 +253,11 @@ class Checkpointer:
         if self.directory is None:
             return None
         began = time.monotonic()
-        shards = None
         with stall.phase("checkpoint save"):  # the others may wait a while: not a stall
-            if is_sharded(unwrap(self.model)):  # every rank writes its shard first
-                shards = save_shards(self.model, self.optimizer, self.directory,
-                                     self.global_step)
-            try:
-                path = save_checkpoint(self.state_dict(shards), self.directory,
-                                       self.global_step, self.keep)
-            except Exception:
-                written = self.directory / checkpoint_name(self.global_step)
-                if shards and self.rt.is_main and not written.is_file():  # nothing names them
-                    remove_shards(written)
-                raise
+            if self.background is not None:
+                path = self._save_in_background(self.directory)
+            else:
+                path = self._save_now(self.directory)
         self._last_save_time = time.monotonic()
         self.last_saved, self.saved_step = path, self.global_step
         measured = self.global_step - self._first_step  # steps timed since this process began
@@ -251,6 +271,35 @@ class Checkpointer:
                 comm.print0(warning)
         return path
 
+    def _save_now(self, directory: Path) -> Optional[Path]:
+        shards = None
+        if is_sharded(unwrap(self.model)):  # every rank writes its shard first
+            shards = save_shards(self.model, self.optimizer, directory, self.global_step)
+        try:
+            return save_checkpoint(self.state_dict(shards), directory, self.global_step,
+                                   self.keep)
+        except Exception:
+            written = directory / checkpoint_name(self.global_step)
+            if shards and self.rt.is_main and not written.is_file():  # nothing names them
+                remove_shards(written)
+            raise
+
+    def _save_in_background(self, directory: Path) -> Optional[Path]:
+        waited = self.background.finish()  # one save in flight: wait for the one before
+        self._waits = self._waits + 1 if waited is not None and waited > 0.05 else 0
+        if self._waits == 2:  # said once it recurs: the saves come faster than they write
+            comm.print0(f"checkpoint: step {self.global_step} waited {waited:.1f} s for the "
+                        "previous background write (twice in a row): the writes take longer "
+                        "than the time between saves; save less often")
+        first = shards = None
+        if self._shard_writer is not None:  # every rank copies its shards, DCP writes them
+            shards, first = start_shards(self.model, self.optimizer, directory,
+                                         self.global_step, *self._shard_writer)
+        staged = state_bytes(self._shard_writer[1].host) if self._shard_writer else 0
+        path = self.background.start(self.state_dict(shards), directory, self.global_step,
+                                     self.keep, first, staged)
+        return path if self.rt.is_main else None
+
     def state_dict(self, shards: Optional[str] = None) -> Dict[str, Any]:
         """Everything an exact resume needs, gathered on every rank (a collective: the RNG).
         With ``shards`` (FSDP: :mod:`ddpkit.checkpoint.sharded` wrote model and optimizer) the checkpoint
@@ -261,7 +310,7 @@ class Checkpointer:
         loader = self.loader.state_dict() if self.loader is not None else None
         parts = {k: v.state_dict() if v is not None else None for k, v in self.parts.items()}
         _check_extra_names(self.extra)  # names may have been added since
-        extras = {k: v.state_dict() if _stateful(v) else v for k, v in self.extra.items()}
+        extras = {k: v.state_dict() if stateful(v) else v for k, v in self.extra.items()}
         progress = {"epoch": self.epoch, "step": self.global_step, "mid_epoch": self.mid_epoch}
         if isinstance(getattr(self.loader, "batch_size", None), int):  # said on another world size
             progress["global_batch"] = self.loader.batch_size * self.rt.world_size
@@ -290,8 +339,8 @@ class Checkpointer:
             comm.print0(f"no checkpoint in {self.directory}: starting fresh")
             return None
         ckpt = found[1] if found else load_checkpoint(chosen, map_location="cpu")
-        self._load_weights(ckpt, Path(chosen))
-        self._load_parts(ckpt)
+        load_weights(self.model, self.optimizer, ckpt, Path(chosen))
+        load_parts(self.parts, self.extra, ckpt)
         self._load_position(ckpt)
         self.resumed = chosen
         # numbered as the stop line numbers it: "at step 9 (epoch 2)", epochs from 1
@@ -300,43 +349,12 @@ class Checkpointer:
         comm.print0(f"resumed from {chosen} at step {self.global_step}{where}")
         return chosen
 
-    def _load_weights(self, ckpt: Dict[str, Any], path: Path) -> None:
-        net = unwrap(self.model)
-        if ckpt.get("sharded"):  # FSDP's shards, on any number of ranks (DCP reshards)
-            load_shards(self.model, self.optimizer, path.parent / ckpt["sharded"])
-            return
-        saved = plain_state(ckpt["model"])
-        check_compatible(saved, net.state_dict())
-        if self.optimizer is not None and ckpt.get("optimizer") is not None:
-            check_optimizer_compatible(ckpt["optimizer"], self.optimizer)
-        if is_sharded(net):  # a DDP / one-process checkpoint into an FSDP run
-            load_full_state(net, self.optimizer, saved, ckpt.get("optimizer"))
-            return
-        net.load_state_dict(saved)
-        if self.optimizer is not None and ckpt.get("optimizer") is not None:
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-
-    def _load_parts(self, ckpt: Dict[str, Any]) -> None:
-        for name, part in self.parts.items():
-            if part is not None and ckpt.get(name) is not None:
-                part.load_state_dict(ckpt[name])
-        saved = _saved_extras(ckpt)
-        for name, value in saved.items():
-            current = self.extra.get(name)
-            if _stateful(current):
-                current.load_state_dict(value)
-            elif type(current) is type(value) and isinstance(value, (list, dict)):
-                current.clear()  # in place: the script may hold this very list or dict
-                (current.extend if isinstance(value, list) else current.update)(value)
-            else:
-                self.extra[name] = value
-
     def _load_position(self, ckpt: Dict[str, Any]) -> None:
         progress = ckpt["progress"]
         self.global_step = self._first_step = int(progress["step"])
         self.rt.heartbeat.step(self.global_step)
         if self.loader is not None and ckpt.get("loader") is not None:
-            self.loader.load_state_dict(_next_position(ckpt["loader"], progress))
+            self.loader.load_state_dict(next_position(ckpt["loader"], progress))
         self._epoch = int(progress["epoch"])
         if ckpt.get("world_size") == self.rt.world_size:  # per-rank streams: the same ranks only
             set_rng_state(ckpt["rng"][self.rt.rank])
@@ -344,31 +362,6 @@ class Checkpointer:
             comm.print0(world_change_line(ckpt.get("world_size"), self.rt.world_size,
                                           self.global_step, self.loader, self.model,
                                           ckpt["progress"].get("global_batch")))
-
-
-def _next_position(loader: Dict[str, Any], progress: Dict[str, Any]) -> Dict[str, Any]:
-    # Checkpoints written before the loader knew a finished pass from one in progress said
-    # "epoch e, mid_epoch False" with the loader still at e: the run goes on with epoch e + 1.
-    if "mid_epoch" in progress and not progress["mid_epoch"] and \
-            int(loader["epoch"]) < int(progress["epoch"]):
-        return {**loader, "epoch": int(progress["epoch"]), "samples_done": 0}
-    return loader
-
-
-def _saved_extras(ckpt: Dict[str, Any]) -> Dict[str, Any]:
-    if "extra_names" in ckpt:
-        return {name: ckpt[name] for name in ckpt["extra_names"]}
-    # Written by fit before the Checkpointer: its history, and the best metric in "progress".
-    progress = ckpt.get("progress", {})
-    legacy = {"history": ckpt["history"]} if "history" in ckpt else {}
-    if "best" in progress:
-        legacy["best"] = {"best": progress["best"], "best_epoch": progress.get("best_epoch")}
-    return legacy
-
-
-def _stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and \
-        callable(getattr(value, "load_state_dict", None))
 
 
 def _check_options(every_steps: Any, every_minutes: Any, keep: Any,

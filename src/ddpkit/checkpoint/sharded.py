@@ -17,7 +17,7 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -27,8 +27,9 @@ from .names import list_checkpoints
 from .write import SaveError, disk_full, no_space, state_bytes
 from ..errors import ConfigError
 
-__all__ = ["is_sharded", "shards_name", "save_shards", "load_shards", "load_full_state",
-           "remove_shards", "consolidate"]
+__all__ = ["is_sharded", "shards_name", "save_shards", "start_shards", "async_group",
+           "async_writer", "load_shards",
+           "load_full_state", "remove_shards", "consolidate"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -69,23 +70,15 @@ def save_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], di
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    name = shards_name(step)
-    final, tmp = directory / name, directory / f".{name}.tmp"
-    if comm.is_main():
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # torn by an earlier crash
-    comm.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
-    state = {"model": model_state, "optim": optim_state}
+    name, final, tmp, state = _begin(model, optimizer, directory, step)
     try:
         # Buffers (BatchNorm statistics) are plain tensors every rank holds its own copy of;
         # DCP keeps one copy of each from whichever rank writes least, a mix of ranks. Rank 0's,
         # as in a DDP checkpoint and as ddpkit.evaluate scores them.
         dcp.save(state, storage_writer=_writer(tmp), planner=_rank0_planner(DefaultSavePlanner))
     except BaseException as exc:  # DCP's CheckpointException (a BaseException), on every rank
-        _shards_failed(exc, directory, tmp, step, state)
+        _shards_failed(exc, directory, tmp, step, state_bytes(state))
         raise
     comm.barrier()
     if comm.is_main():
@@ -95,7 +88,85 @@ def save_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], di
     return name
 
 
-def _writer(path: Path) -> Any:
+def start_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], directory: Path,
+                 step: int, group: Any, writer: Any) -> Tuple[str, Callable[[], None]]:
+    """Begin writing this rank's shards in the background (call on every rank): returns the
+    shard directory's name and ``complete()``, which waits for the write (any thread) and
+    raises its failure; on rank 0 it then renames the finished directory into place.
+
+    The step waits only while DCP copies the shards into host memory (``writer``: one
+    :func:`async_writer` kept from save to save, whose copies are reused); the planning and
+    writing run in DCP's thread, their collectives on ``group`` (a gloo group of their own,
+    so they never interleave with the training's). Rank 0's write ends only after every
+    rank's data and the metadata are written, so its rename needs no barrier.
+
+    Example::
+
+        name, complete = start_shards(model, opt, Path("ckpt"), step, group, async_writer())
+        ...                # training goes on
+        complete()         # every rank; rank 0 then finds ckpt/<name> whole
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    name, final, tmp, state = _begin(model, optimizer, directory, step)
+    future = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=writer,
+                            planner=_rank0_planner(DefaultSavePlanner), process_group=group)
+    size = state_bytes(state)
+
+    def complete() -> None:
+        try:
+            future.result()
+        except BaseException as exc:  # DCP's CheckpointException, on every rank
+            _shards_failed(exc, directory, tmp, step, size)
+            raise
+        if comm.is_main():
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+    return name, complete
+
+
+def _begin(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], directory: Path,
+           step: int) -> Tuple[str, Path, Path, Dict[str, Any]]:
+    # Every rank: the shard directory's name, final and temporary paths (a torn one removed),
+    # and the state DCP writes (this rank's shards).
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    name = shards_name(step)
+    final, tmp = directory / name, directory / f".{name}.tmp"
+    if comm.is_main():
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # torn by an earlier crash
+    comm.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    return name, final, tmp, {"model": model_state, "optim": optim_state}
+
+
+def async_group() -> Any:
+    """A gloo group of every rank for DCP's background saves (None alone); every rank calls it.
+
+    Example::
+
+        group = async_group()
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def async_writer() -> Any:
+    """The DCP writer :func:`start_shards` takes: its host copies kept for the next save.
+
+    Example::
+
+        writer = async_writer()
+    """
+    return _writer(None, cache=True)
+
+
+def _writer(path: Optional[Path], cache: bool = False) -> Any:
     """DCP's file writer (as ``dcp.save(checkpoint_id=path)`` makes it), raising the bare
     ``OSError`` of a full disk: DCP pickles each rank's error to share it, which drops the
     ``OSError`` that torch's zip writer wraps in its own ``RuntimeError``."""
@@ -110,7 +181,36 @@ def _writer(path: Path) -> Any:
             with _bare_disk_full():
                 super().finish(*args, **kwargs)
 
-    return Writer(str(path))
+    if not cache:
+        return Writer(str(path))
+
+    class Staging(Writer):
+        # The copy async_save makes before it returns, into host tensors kept for the next
+        # save (pinned on a GPU). DCP's own would pin on a CPU-only machine (an error) or,
+        # uncached, hand CPU tensors over as they are: the thread would write live tensors
+        # the next optimizer step is changing.
+        host: Any = None  # the host copies, once a save made them
+
+        def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+            from torch.distributed._state_dict_utils import (_copy_state_dict,
+                                                             _create_cpu_state_dict)
+
+            gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+            for attempt in (0, 1):
+                if self.host is None:
+                    self.host = _create_cpu_state_dict(state_dict, pin_memory=gpu)
+                try:
+                    staged = _copy_state_dict(state_dict, self.host, non_blocking=gpu)
+                    break
+                except (KeyError, ValueError, RuntimeError, AssertionError):
+                    if attempt:  # not a changed layout (new optimizer state): a real error
+                        raise
+                    self.host = None
+            if gpu:
+                torch.cuda.synchronize()
+            return staged
+
+    return Staging("")  # each save's directory comes as its checkpoint_id
 
 
 @contextlib.contextmanager
@@ -125,7 +225,7 @@ def _bare_disk_full() -> Iterator[None]:
 
 
 def _shards_failed(exc: BaseException, directory: Path, tmp: Path, step: int,
-                   state: Dict[str, Any]) -> None:
+                   size: int) -> None:
     # DCP gathers every rank's write errors and raises on every rank, so all of them are here:
     # rank 0 removes the partial shards; a full disk becomes one line (SaveError: rank 0 prints).
     if comm.is_main():
@@ -134,7 +234,7 @@ def _shards_failed(exc: BaseException, directory: Path, tmp: Path, step: int,
     if full is None:
         return
     found = list_checkpoints(directory)
-    needed = state_bytes(state) * comm.world_size()  # about: every rank holds a like shard
+    needed = size * comm.world_size()  # about: every rank holds a like shard
     raise SaveError(no_space(full, f"sharded checkpoint {directory / shards_name(step)}",
                              directory, needed, found[-1] if found else None)) from None
 

@@ -104,6 +104,8 @@ class TrainConfig:
     ckpt_every_minutes: float = _opt(0.0, "checkpoint every N minutes (0: off)", least=0)
     ckpt_keep: int = _opt(3, "checkpoints to keep", least=1)
     ckpt_every_epoch: bool = _opt(True, "checkpoint at the end of every epoch")
+    ckpt_async: bool = _opt(False, "write checkpoints in the background (a step waits only "
+                                   "for a copy in host memory)")
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain dict (for JSON/YAML and checkpoints)."""
