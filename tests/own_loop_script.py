@@ -59,9 +59,10 @@ class Ledger:
         os.fsync(self.file.fileno())
 
 
-def build(rt):
+def build(rt, hidden=32):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, CLASSES))
+    net = nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Dropout(0.2),
+                        nn.Linear(hidden, CLASSES))
     model = rt.wrap(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
@@ -69,7 +70,7 @@ def build(rt):
 
 
 def own_loop(rt, args):
-    model, opt, sched = build(rt)
+    model, opt, sched = build(rt, args.hidden)
     loader = rt.loader(Augmented(), batch_size=8, seed=7, num_workers=args.workers)
     val_set = Augmented(n=40, seed=5)
     ckpt = rt.checkpointer(os.path.join(args.out, "ckpt"), model=model, optimizer=opt,
@@ -108,6 +109,10 @@ def attempt(rt, args):
 
 def maybe_kill(rt, args, step):
     if attempt(rt, args) == 0 and rt.rank == args.kill_rank and step == args.kill_step:
+        if args.kill_delay:  # later, wherever the run then is (e.g. inside a background write)
+            import threading
+            threading.Timer(args.kill_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            return
         os.kill(os.getpid(), getattr(signal, args.signal))
         if args.signal != "SIGKILL":
             time.sleep(0.5)  # let the handler run before the next step polls
@@ -131,7 +136,7 @@ class _LedgerHook(ddpkit.Hook):
 
 
 def with_fit(rt, args):
-    model, opt, sched = build(rt)
+    model, opt, sched = build(rt, args.hidden)
     loader = rt.loader(Augmented(), batch_size=8, seed=7, num_workers=args.workers)
     state = ddpkit.fit(
         rt, model, opt, loader, epochs=args.epochs, scheduler=sched, scheduler_interval="step",
@@ -154,6 +159,8 @@ def main():
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--signal", default="SIGKILL")
+    p.add_argument("--kill-delay", type=float, default=0.0, help="SIGKILL this many s later")
+    p.add_argument("--hidden", type=int, default=32, help="hidden width (larger: longer saves)")
     p.add_argument("--attempt", type=int, default=None, help="default: the restart count")
     p.add_argument("--fit", action="store_true", help="train with ddpkit.fit instead")
     p.add_argument("--async-save", action="store_true", help="checkpoints written in the background")

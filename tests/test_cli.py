@@ -315,6 +315,23 @@ def test_train_with_async_checkpoints_resumes_to_the_same_run_as_synchronous_one
         assert torch.equal(value, ends[1]["model"][name]), name
 
 
+@pytest.mark.slow
+def test_train_chooses_its_checkpoint_interval_and_bad_cadence_flags_are_one_line(tmp_path):
+    res = ddpkit("train", "--nproc", "1", "--epochs", "1", "--ckpt-every-steps", "auto",
+                 "--ckpt-mtbf-hours", "0.5", "--output", str(tmp_path / "auto"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    said = [line for line in res.stdout.splitlines() if "chosen from a save that blocks" in line]
+    assert len(said) == 1 and "and a failure every 0.5 h (Young/Daly" in said[0], res.stdout
+    assert (tmp_path / "auto" / "checkpoints" / "ckpt-000000020.pt").is_file()
+    for flags, said in ((["--ckpt-every-steps", "soon"], "--ckpt-every-steps (ckpt_every_steps) "
+                         "must be an integer >= 0 (0: off) or 'auto', got 'soon'"),
+                        (["--ckpt-mtbf-hours", "0"], "--ckpt-mtbf-hours must be > 0, got 0.0")):
+        res = ddpkit("train", *flags, "--output", str(tmp_path / "bad"), timeout=60)
+        lines = error_lines(res.stderr)
+        assert res.returncode == 2 and len(lines) == 1 and said in lines[0], res.stderr[-2000:]
+    assert not (tmp_path / "bad").exists()
+
+
 # ----------------------------------------------------------------------------- issue 22
 
 def test_wrapping_twice_is_one_line_from_rank_0(tmp_path):

@@ -4,7 +4,7 @@ save, what to resume) and ``Hook`` (what to call along the way). ``ddpkit.loop``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -26,12 +26,13 @@ class CheckpointPolicy:
     """
 
     directory: str
-    every_steps: int = 0
+    every_steps: Union[int, str] = 0  # "auto": Young/Daly from the measured save and the MTBF
     every_minutes: float = 0.0
     every_epoch: bool = True
     keep: int = 3
     resume: Optional[str] = None
     async_save: bool = False  # write in the background; the step waits only for a host copy
+    mtbf_hours: float = 24.0  # expected time between failures, for every_steps="auto"
 
 
 @dataclass

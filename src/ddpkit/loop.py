@@ -71,7 +71,7 @@ class _Fit:
             every_epoch=False,
             every_steps=p.every_steps if p else 0, every_minutes=p.every_minutes if p else 0.0,
             keep=p.keep if p else 3, resume=p.resume if p else None, config=self.cfg.config,
-            async_save=bool(p and p.async_save))
+            async_save=bool(p and p.async_save), mtbf_hours=p.mtbf_hours if p else 24.0)
         if ckpt.resumed:  # the history list was restored in place
             best = ckpt.extra["best"]
             self.state = TrainState(ckpt.epoch, ckpt.global_step, best["best"], best["best_epoch"],

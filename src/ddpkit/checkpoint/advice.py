@@ -14,7 +14,11 @@ from torch import nn
 
 from ..wrap import unwrap
 
-__all__ = ["world_change_line", "cadence_line", "grace_line", "restarts_allowed"]
+__all__ = ["world_change_line", "cadence_line", "grace_line", "restarts_allowed",
+           "AUTO_FIRST_SAVE", "young_daly_steps", "auto_cadence_line"]
+
+#: With ``every_steps="auto"``: the step (after the run's first) whose save measures the cost.
+AUTO_FIRST_SAVE = 20
 
 
 def restarts_allowed(environ: Mapping[str, str] = os.environ) -> bool:
@@ -79,6 +83,34 @@ def cadence_line(every_steps: int, every_minutes: float, step_s: float, save_s: 
     return (f"checkpoints every {said}: a failure loses {_duration(seconds / 2)} of work on "
             f"average, plus the restart; a checkpoint took {save_s:.2f} s to save "
             f"({100 * save_s / max(seconds, 1e-9):.1f}% of the interval)")
+
+
+def young_daly_steps(save_s: float, step_s: float, mtbf_s: float) -> int:
+    """Optimizer steps between checkpoints that lose the least time to saves and failures
+    together: Young/Daly's interval sqrt(2 x save time x mean time between failures).
+
+    Example::
+
+        young_daly_steps(0.5, 0.1, 24 * 3600)   # 2939: one save every ~4.9 min
+    """
+    return max(1, round(math.sqrt(2 * save_s * mtbf_s) / max(step_s, 1e-9)))
+
+
+def auto_cadence_line(steps: int, step_s: float, save_s: float, mtbf_s: float) -> str:
+    """What ``every_steps="auto"`` chose and what it costs: saves and lost work as shares of
+    the run's time.
+
+    Example::
+
+        auto_cadence_line(2939, 0.1, 0.5, 24 * 3600)
+        # 'checkpoints every 2939 steps (4.9 min), chosen ...'
+    """
+    interval = steps * step_s
+    return (f"checkpoints every {steps} steps ({_duration(interval)}), chosen from a save that "
+            f"blocks {save_s:.2f} s and a failure every {mtbf_s / 3600:g} h (Young/Daly, "
+            f"sqrt(2 x save x MTBF)): saves take {100 * save_s / interval:.1f}% of the time; a "
+            f"failure loses {_duration(interval / 2)} of work on average, plus the restart "
+            f"({100 * interval / 2 / mtbf_s:.2f}% of the time)")
 
 
 def _duration(seconds: float) -> str:

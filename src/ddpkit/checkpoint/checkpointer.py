@@ -19,7 +19,8 @@ from .background import BackgroundSaver
 from .files import (_save_on_main, checkpoint_metadata, checkpoint_name, load_checkpoint,
                     resolve_resume, save_checkpoint)
 from ..errors import ConfigError
-from .advice import cadence_line, grace_line, restarts_allowed, world_change_line
+from .advice import (AUTO_FIRST_SAVE, auto_cadence_line, cadence_line, grace_line,
+                     restarts_allowed, world_change_line, young_daly_steps)
 from ..seed import rng_state, set_rng_state
 from .shared_dir import check_shared
 from .write import state_bytes
@@ -63,18 +64,18 @@ class Checkpointer:
     It restores the newest checkpoint at once when ``resume`` finds one (``"auto"``: the newest
     in ``directory``, if any; a path: that file or directory; ``None``: never). Then call
     :meth:`step` once after each optimizer step, on every rank: it counts steps, saves when due
-    (``every_steps``, ``every_minutes``, and at each epoch's last batch when ``every_epoch``),
-    and when the job is asked to stop (SIGTERM, SIGUSR1: preemption) every rank finishes the
-    same step, the run is saved, and the process exits with 128 + the signal.
+    (``every_steps``, ``every_minutes``, each epoch's last batch when ``every_epoch``); asked to
+    stop (SIGTERM, SIGUSR1) every rank finishes the same step, saves, and exits 128 + signal.
 
     A checkpoint holds the unwrapped model, the optimizer, ``scheduler``, ``scaler`` (a
     ``GradScaler``) or ``precision``, the loader's position (mid-epoch included, on any number
-    of ranks), every rank's RNG (Python, NumPy, torch, this GPU's) and ``extra``: values (kept
-    in :attr:`extra`, restored there) or objects with ``state_dict`` / ``load_state_dict``
-    (restored in place). Writes are atomic; the newest ``keep`` are kept. FSDP models save
-    shards that any world size can read. ``async_save=True``: a save blocks the step only for a
-    copy of the state into host memory (reused); rank 0 writes it in the background, one save
-    in flight at a time, and a checkpoint is named newest only once complete on disk.
+    of ranks), every rank's RNG and ``extra``: values (kept in :attr:`extra`, restored there)
+    or objects with ``state_dict`` / ``load_state_dict`` (restored in place). Writes are
+    atomic; the newest ``keep`` are kept. FSDP models save shards that any world size can read.
+    ``async_save=True``: a save blocks the step only for a copy of the state into host memory
+    (reused); rank 0 writes it in the background, one save in flight at a time, and a
+    checkpoint is named newest only once complete on disk. ``every_steps="auto"``: the save
+    at step 20 measures the cost, and the interval is Young/Daly's for ``mtbf_hours``.
 
     Call :meth:`step` last in each optimizer step (after ``scheduler.step()`` and whatever else
     the step changes), and leave the ``with`` block or call :meth:`close` when the loop ends.
@@ -96,8 +97,12 @@ class Checkpointer:
                  extra: Optional[Mapping[str, Any]] = None, every_steps: int = 0,
                  every_minutes: float = 0.0, every_epoch: bool = True, keep: int = 3,
                  resume: Optional[Union[str, Path]] = "auto",
-                 config: Optional[Mapping[str, Any]] = None, async_save: bool = False) -> None:
-        _check_options(every_steps, every_minutes, keep, extra)
+                 config: Optional[Mapping[str, Any]] = None, async_save: bool = False,
+                 mtbf_hours: float = 24.0) -> None:
+        _check_options(every_steps, every_minutes, keep, extra, mtbf_hours)
+        # every_steps="auto": the MTBF (s) to choose the cadence from, once measured (then None)
+        self._auto_mtbf = 3600.0 * mtbf_hours if every_steps == "auto" else None
+        every_steps = 0 if every_steps == "auto" else every_steps
         _check_parts(model, loader)
         _check_same_on_every_rank(directory)
         self.rt, self.model, self.optimizer, self.loader = rt, model, optimizer, loader
@@ -171,6 +176,8 @@ class Checkpointer:
         if self.directory is None:
             return False
         due = bool(self.every_steps) and self.global_step % self.every_steps == 0
+        if self._auto_mtbf is not None:  # the save that measures the cost
+            due = due or self.global_step == self._first_step + AUTO_FIRST_SAVE
         if self.every_epoch and self.loader is not None and self.loader.at_last_batch:
             due = True
         if self.every_minutes > 0:
@@ -261,6 +268,9 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self.last_saved, self.saved_step = path, self.global_step
         measured = self.global_step - self._first_step  # steps timed since this process began
+        if self._auto_mtbf is not None and measured > 0:
+            self._choose_cadence((began - self._started) / measured,
+                                 self._last_save_time - began)
         if not self._cadence_said and measured > 0:   # said once, after the first timed save
             self._cadence_said = True
             per_step, save_s = (began - self._started) / measured, self._last_save_time - began
@@ -270,6 +280,11 @@ class Checkpointer:
             if warning:
                 comm.print0(warning)
         return path
+
+    def _choose_cadence(self, step_s: float, save_s: float) -> None:
+        steps = comm.broadcast_object(young_daly_steps(save_s, step_s, self._auto_mtbf))  # rank 0's
+        comm.print0(auto_cadence_line(steps, step_s, save_s, self._auto_mtbf))
+        self.every_steps, self._auto_mtbf, self._cadence_said = int(steps), None, True
 
     def _save_now(self, directory: Path) -> Optional[Path]:
         shards = None
@@ -365,9 +380,14 @@ class Checkpointer:
 
 
 def _check_options(every_steps: Any, every_minutes: Any, keep: Any,
-                   extra: Optional[Mapping[str, Any]]) -> None:
-    if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 0:
-        raise ConfigError(f"every_steps must be an integer >= 0 (0: off), got {every_steps!r}")
+                   extra: Optional[Mapping[str, Any]], mtbf_hours: Any) -> None:
+    if every_steps != "auto" and (isinstance(every_steps, bool) or
+                                  not isinstance(every_steps, int) or every_steps < 0):
+        raise ConfigError(f"every_steps must be an integer >= 0 (0: off) or 'auto', got "
+                          f"{every_steps!r}")
+    if isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float)) or \
+            not 0 < mtbf_hours < float("inf"):  # a positive finite number of hours
+        raise ConfigError(f"mtbf_hours must be hours > 0 between failures, got {mtbf_hours!r}")
     if not isinstance(every_minutes, (int, float)) or every_minutes < 0:
         raise ConfigError(f"every_minutes must be a number >= 0 (0: off), got {every_minutes!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:

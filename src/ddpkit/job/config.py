@@ -100,10 +100,15 @@ class TrainConfig:
     progress: bool = _opt(True, "progress bar on rank 0 when stderr is a terminal")
     # checkpoints and resume
     resume: Optional[str] = _opt(None, "'auto' (latest valid checkpoint in the run dir) or a path")
-    ckpt_every_steps: int = _opt(0, "checkpoint every N optimizer steps (0: off)", least=0)
+    ckpt_every_steps: Union[int, str] = field(default=0, metadata={
+        "help": "checkpoint every N optimizer steps (0: off; 'auto': from the measured save "
+                "time and --ckpt-mtbf-hours, Young/Daly)", "least": 0,
+        "parse": lambda v: parse_every_steps(v)})
     ckpt_every_minutes: float = _opt(0.0, "checkpoint every N minutes (0: off)", least=0)
     ckpt_keep: int = _opt(3, "checkpoints to keep", least=1)
     ckpt_every_epoch: bool = _opt(True, "checkpoint at the end of every epoch")
+    ckpt_mtbf_hours: float = _opt(24.0, "expected hours between failures, for --ckpt-every-steps "
+                                        "auto", above=0)
     ckpt_async: bool = _opt(False, "write checkpoints in the background (a step waits only "
                                    "for a copy in host memory)")
 
@@ -125,14 +130,29 @@ def parse_nproc(value: Any) -> Union[int, str]:
 
         parse_nproc("4"), parse_nproc("auto")   # (4, 'auto')
     """
+    return _int_or_auto(value, 1, "--nproc (nproc) must be a positive integer or 'auto'")
+
+
+def parse_every_steps(value: Any) -> Union[int, str]:
+    """``--ckpt-every-steps`` as given: an integer >= 0, or ``"auto"``; else a ConfigError.
+
+    Example::
+
+        parse_every_steps("200"), parse_every_steps("auto")   # (200, 'auto')
+    """
+    return _int_or_auto(value, 0, "--ckpt-every-steps (ckpt_every_steps) must be an integer "
+                                  ">= 0 (0: off) or 'auto'")
+
+
+def _int_or_auto(value: Any, least: int, rule: str) -> Union[int, str]:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     try:
         number = int(value) if not isinstance(value, (bool, float)) else None
     except (TypeError, ValueError):
         number = None
-    if number is None or number < 1:
-        raise ConfigError(f"--nproc (nproc) must be a positive integer or 'auto', got {value!r}")
+    if number is None or number < least:
+        raise ConfigError(f"{rule}, got {value!r}")
     return number
 
 

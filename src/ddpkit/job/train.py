@@ -40,7 +40,7 @@ def fit_config(cfg: TrainConfig, rt: Any, test_set: Any, scheduler: Any,
     """
     policy = CheckpointPolicy(os.path.join(cfg.output, "checkpoints"), cfg.ckpt_every_steps,
                               cfg.ckpt_every_minutes, cfg.ckpt_every_epoch, cfg.ckpt_keep,
-                              cfg.resume, cfg.ckpt_async)
+                              cfg.resume, cfg.ckpt_async, cfg.ckpt_mtbf_hours)
     return FitConfig(
         epochs=cfg.epochs, precision=Precision(cfg.precision, rt.device),
         accum_steps=cfg.accum_steps, clip_norm=cfg.clip_grad, scheduler=scheduler,

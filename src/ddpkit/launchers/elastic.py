@@ -12,14 +12,16 @@ import contextlib
 import json
 import socket
 import sys
+import threading
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = ["membership_line", "missing_line", "tracking_members", "Members", "MEMBER_KEY"]
 
 #: Each node's name in a rendezvous round's store: ``ddpkit/member/<group rank>``.
 MEMBER_KEY = "ddpkit/member/"
-_READ_TIMEOUT_S = 15.0
+_READ_TIMEOUT_S = 120.0
 
 
 def membership_line(before: Optional[Sequence[str]], now: Sequence[str], spec: str) -> str:
@@ -111,8 +113,9 @@ def tracking_members(spec: str, local_addr: Optional[str] = None) -> Iterator[Me
         yield members
         return
 
-    def rendezvous(agent: Any, group: Any) -> None:
-        original(agent, group)
+    def name_round(group: Any, previous: Optional[threading.Thread]) -> None:
+        if previous is not None:
+            previous.join()  # rounds named in order: each compares with the one before
         with contextlib.suppress(Exception):  # naming it must never stop the job
             said = _members(group, members.me, members.last)
             now = [name for name, _ in said]
@@ -122,8 +125,22 @@ def tracking_members(spec: str, local_addr: Optional[str] = None) -> Iterator[Me
                 sys.stderr.write(f"ddpkit run: {membership_line(before, now, spec)}\n")
                 sys.stderr.flush()
 
+    naming: List[Optional[threading.Thread]] = [None]
+
+    def rendezvous(agent: Any, group: Any) -> None:
+        original(agent, group)
+        # Beside the agent, which starts the workers meanwhile: on a loaded machine another
+        # node may write its name many seconds later (a CI run missed the line at a 15 s wait).
+        round_ = SimpleNamespace(store=group.store, group_rank=group.group_rank,
+                                 group_world_size=group.group_world_size)
+        naming[0] = threading.Thread(target=name_round, args=(round_, naming[0]), daemon=True,
+                                     name="ddpkit-members")
+        naming[0].start()
+
     SimpleElasticAgent._rendezvous = rendezvous
     try:
         yield members
     finally:
         SimpleElasticAgent._rendezvous = original
+        if naming[0] is not None:
+            naming[0].join(timeout=2.0)  # long done in a real job; a test's rounds come fast
