@@ -215,3 +215,10 @@ def test_bad_cadence_options_are_one_line(tmp_path):
     for bad in (0, -1, float("nan"), float("inf"), "24"):
         with pytest.raises(ConfigError, match="mtbf_hours must be hours > 0 between failures"):
             rt.checkpointer(tmp_path, model=net, every_steps="auto", mtbf_hours=bad)
+
+
+def test_the_docs_show_the_line_auto_prints():
+    from ddpkit.checkpoint.advice import auto_cadence_line
+    docs = os.path.join(os.path.dirname(__file__), "..", "docs", "checkpoints.md")
+    with open(docs) as f:
+        assert auto_cadence_line(2939, 0.1, 0.5, 24 * 3600) + "\n" in f.read()
