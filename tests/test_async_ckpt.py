@@ -3,6 +3,7 @@ step boundary whatever the next steps change; the host buffers are reused, not g
 background write is one error at the next step naming what was kept; a stop waits for the write.
 The multi-process kill -9 / SIGTERM resumes with async saves are in test_own_loop.py."""
 import os
+import re
 import threading
 
 import pytest
@@ -222,3 +223,18 @@ def test_the_docs_show_the_line_auto_prints():
     docs = os.path.join(os.path.dirname(__file__), "..", "docs", "checkpoints.md")
     with open(docs) as f:
         assert auto_cadence_line(2939, 0.1, 0.5, 24 * 3600) + "\n" in f.read()
+
+
+def test_saves_that_keep_waiting_for_the_write_before_them_are_said_once(tmp_path, capsys):
+    import time
+    rt, net = runtime(), model()
+    ckpt = rt.checkpointer(tmp_path, model=net, every_steps=1, async_save=True)
+    write = ckpt.background._write
+    ckpt.background._write = lambda *args: (time.sleep(0.2), write(*args))[1]  # a slow disk
+    for _ in range(5):
+        ckpt.step()
+    ckpt.close()
+    said = [l for l in capsys.readouterr().out.splitlines() if "waited" in l]
+    assert len(said) == 1 and re.match(r"checkpoint: step 3 waited \d+\.\d s ", said[0]) and \
+        said[0].endswith("for the previous background write (twice in a row): the writes take "
+                         "longer than the time between saves; save less often"), said
