@@ -25,7 +25,8 @@ import torch
 
 from .. import comm
 from ..errors import DDPKitError
-from .write import SaveError
+from .names import checkpoint_name
+from .write import SaveError, state_bytes
 
 __all__ = ["Snapshot", "BackgroundSaver"]
 
@@ -124,24 +125,25 @@ class BackgroundSaver:
         self._write, self._say = write, say
         self.snapshot = Snapshot()
         self.in_flight: Optional[int] = None  #: the step being written (every rank knows it)
-        self.written: Optional[Path] = None   #: the newest checkpoint known complete (rank 0)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._done = threading.Event()
         self._said_memory = False
 
     def start(self, state: Dict[str, Any], directory: Path, step: int, keep: int,
-              first: Optional[Callable[[], None]] = None, staged: int = 0) -> Path:
+              first: Optional[Callable[[], None]] = None, staged: Any = None) -> Path:
         """Snapshot ``state`` (rank 0) and write it in the background; every rank calls it
         after :meth:`finish`. ``first``: run in the background on every rank before rank 0
-        writes the file (waiting for this rank's shards, ``staged`` bytes of host copies).
+        writes the file (waiting for this rank's shards; ``staged``: their host copies, sized
+        once, for the memory line).
         Returns the checkpoint's path."""
         frozen = None
         if comm.is_main():
             frozen = self.snapshot.take(state)
             if not self._said_memory:
                 self._said_memory = True
-                shards = f" and {_mb(staged)} of this rank's shards" if staged else ""
+                size = state_bytes(staged)
+                shards = f" and {_mb(size)} of this rank's shards" if size else ""
                 self._say(f"asynchronous checkpoints: a {_mb(self.snapshot.nbytes)} "
                           f"snapshot{shards} in host memory, reused by every save")
         if frozen is not None or first is not None:
@@ -152,7 +154,7 @@ class BackgroundSaver:
                                             daemon=False)  # an exit waits for the write
             self._thread.start()
         self.in_flight = step
-        return directory / f"ckpt-{step:09d}.pt"
+        return directory / checkpoint_name(step)
 
     def _run(self, state: Optional[Dict[str, Any]], directory: Path, step: int, keep: int,
              first: Optional[Callable[[], None]]) -> None:
@@ -160,7 +162,7 @@ class BackgroundSaver:
             if first is not None:
                 first()
             if state is not None:
-                self.written = self._write(state, directory, step, keep)
+                self._write(state, directory, step, keep)
         except BaseException as exc:  # noqa: BLE001 - told to every rank at the next question
             self._error = exc
         finally:

@@ -23,7 +23,6 @@ from .advice import (AUTO_FIRST_SAVE, auto_cadence_line, cadence_line, grace_lin
                      restarts_allowed, world_change_line, young_daly_steps)
 from ..seed import rng_state, set_rng_state
 from .shared_dir import check_shared
-from .write import state_bytes
 from .restore import load_parts, load_weights, next_position, stateful
 from .sharded import (async_group, async_writer, is_sharded, remove_shards, save_shards,
                       start_shards)
@@ -310,7 +309,7 @@ class Checkpointer:
         if self._shard_writer is not None:  # every rank copies its shards, DCP writes them
             shards, first = start_shards(self.model, self.optimizer, directory,
                                          self.global_step, *self._shard_writer)
-        staged = state_bytes(self._shard_writer[1].host) if self._shard_writer else 0
+        staged = self._shard_writer[1].host if self._shard_writer else None
         path = self.background.start(self.state_dict(shards), directory, self.global_step,
                                      self.keep, first, staged)
         return path if self.rt.is_main else None

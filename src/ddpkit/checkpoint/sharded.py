@@ -112,13 +112,12 @@ def start_shards(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], d
     name, final, tmp, state = _begin(model, optimizer, directory, step)
     future = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=writer,
                             planner=_rank0_planner(DefaultSavePlanner), process_group=group)
-    size = state_bytes(state)
 
     def complete() -> None:
         try:
             future.result()
         except BaseException as exc:  # DCP's CheckpointException, on every rank
-            _shards_failed(exc, directory, tmp, step, size)
+            _shards_failed(exc, directory, tmp, step, state_bytes(state))
             raise
         if comm.is_main():
             shutil.rmtree(final, ignore_errors=True)
