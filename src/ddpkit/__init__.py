@@ -15,6 +15,7 @@ products above it in :mod:`ddpkit.launchers`, :mod:`ddpkit.job`, :mod:`ddpkit.be
 from __future__ import annotations
 
 import os as _os
+import signal as _signal
 import sys as _sys
 
 
@@ -26,11 +27,31 @@ if _sys.argv[:1] == ["-m"] and _os.environ.get("DDPKIT_LAUNCHER_PID"):
     # ddpkit's own worker (`python -m ddpkit.job.train` under `ddpkit run`): a Ctrl-C the
     # launcher forwards before setup() installs the stop handler (while torch and the job's
     # modules load) ends it quietly, not with a traceback under the launcher's line
-    import signal as _signal
     if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
         _signal.signal(_signal.SIGINT, _quiet_interrupt)
 
+
+def _noting_interrupt(signum, frame):  # pragma: no cover - exercised in a subprocess
+    _interrupts.append(signum)
+    _signal.default_int_handler(signum, frame)
+
+
+# torch's C extension imports numpy while it loads and clears any error that import raises: a
+# Ctrl-C there was swallowed (`ddpkit train` went on to train) or left numpy half loaded (an
+# ImportError traceback later). So numpy loads first, here, and a Ctrl-C is noted while the
+# modules load: one lost or turned into another error on the way is still an interrupt.
+_interrupts: list = []
+_noting = False
+if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    try:
+        _signal.signal(_signal.SIGINT, _noting_interrupt)
+        _noting = True
+    except ValueError:  # imported outside the main thread: signals are not ours to handle there
+        pass
+
 try:
+    import numpy as _numpy  # noqa: F401  (a dependency; before torch, for the reason above)
+
     from .accumulate import Accumulator
     from .errors import ConfigError, DDPKitError
     from .evaluate import evaluate
@@ -49,12 +70,21 @@ try:
     from .data.loader import DistributedLoader, make_loader  # noqa: F401  isort: skip
     from .env.detect import ClusterEnv, detect  # noqa: F401  isort: skip
     from .seed import seed_everything  # noqa: F401  isort: skip
-except KeyboardInterrupt:  # Ctrl-C while torch loads (the first seconds of a command)
+    if _interrupts:  # a Ctrl-C the loading swallowed
+        raise KeyboardInterrupt
+except BaseException as _exc:  # Ctrl-C while torch loads (the first seconds of a command)
+    if not (isinstance(_exc, KeyboardInterrupt) or (_interrupts and isinstance(_exc, Exception))):
+        raise
     if _sys.argv[:1] != ["-m"] and _os.path.basename(_sys.argv[0] if _sys.argv else "") != "ddpkit":
-        raise  # a user's script or notebook: theirs to handle
+        if isinstance(_exc, KeyboardInterrupt):
+            raise  # a user's script or notebook: theirs to handle
+        raise KeyboardInterrupt from _exc
     if not _os.environ.get("DDPKIT_LAUNCHER_PID"):  # a worker: its launcher says it
         _sys.stderr.write("interrupted\n")  # the `ddpkit` command: one line, not a traceback
     _os._exit(130)
+finally:
+    if _noting:
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
 
 from .version import __version__  # noqa: E402  isort: skip
 
