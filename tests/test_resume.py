@@ -10,7 +10,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -109,11 +108,17 @@ def test_kill_9_a_random_rank_at_a_random_step_and_the_run_finishes_as_if_nothin
 
 
 WRITER = """
-import sys, torch
+import sys, time, torch
 from ddpkit.checkpoint.files import save_checkpoint
 save_checkpoint({"w": torch.ones(4)}, sys.argv[1], step=1)
 print("first saved", flush=True)
-save_checkpoint({"w": torch.randn(40_000_000)}, sys.argv[1], step=2)   # 160 MB: slow to write
+def held_save(obj, f):  # the second save stops half way through its file until it is killed
+    f.write(b"half a checkpoint")
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+torch.save = held_save
+save_checkpoint({"w": torch.randn(1000)}, sys.argv[1], step=2)
 """
 
 
@@ -121,9 +126,8 @@ def test_writer_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE,
                             text=True)
     assert proc.stdout.readline().strip() == "first saved"
-    deadline = time.monotonic() + 60
-    while not glob.glob(str(tmp_path / "*.tmp")) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    assert proc.stdout.readline().strip() == "writing"  # killed inside the write, not near it
+    assert glob.glob(str(tmp_path / "*.tmp"))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     found = find_latest(tmp_path)
