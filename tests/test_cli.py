@@ -276,6 +276,19 @@ def test_train_resume_auto_and_bad_checkpoints(tmp_path):
     assert "resumed from" in res.stdout and "ckpt-000000012.pt" in res.stdout
     assert json.loads((out / "results.json").read_text())["steps"] == 2 * 23
 
+    # evaluated alone on 3 processes, over which the training batch (64) does not split: the
+    # run's final evaluation again, and nothing in the run directory written
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    res = ddpkit("train", "--eval-only", "--nproc", "3", "--resume", "auto", "--output", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    final = json.loads((out / "results.json").read_text())["final"]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("eval of ")]
+    assert len(lines) == 1 and "ckpt-000000046.pt (step 46) on 3 processes: " in lines[0], res.stdout
+    assert f"top1 {final['eval/top1']:.2f}%" in lines[0] and f"({final['eval/count']} targets)" in lines[0]
+    loss = float(lines[0].split("loss ")[1].split()[0])
+    assert loss == pytest.approx(final["eval/loss"], abs=2e-4)  # summed in another order
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
     # a checkpoint from another model: both models named, one line, before anything is written
     res = ddpkit("train", "--nproc", "1", "--epochs", "1", "--model", "resnet18",
                  "--output", str(tmp_path / "other"), "--resume", str(out / "checkpoints"), timeout=120)

@@ -1,6 +1,7 @@
 """ddpkit.job.check: optional packages a request needs are named before any worker starts.
 
 (The other impossible requests, end to end through `ddpkit train`, are in test_cli.py.)"""
+import dataclasses
 import importlib.util
 import sys
 
@@ -83,3 +84,21 @@ def test_resuming_another_models_checkpoint_is_refused_before_anything_is_writte
         str(exc.value)
     check_resume(TrainConfig(model="resnet18", resume="auto", output=str(tmp_path)))  # fits
     check_resume(TrainConfig(model="small_cnn", resume=None, output=str(tmp_path)))   # no resume
+
+
+def test_eval_only_needs_a_checkpoint_and_no_batch_that_splits(tmp_path):
+    import torch
+    from ddpkit.checkpoint.files import save_checkpoint
+    from ddpkit.job.check import check_resume
+    with pytest.raises(ConfigError, match="--eval-only evaluates a checkpoint: give --resume"):
+        check_config(TrainConfig(eval_only=True), world_size=2, cuda=False)
+    empty = TrainConfig(eval_only=True, resume="auto", output=str(tmp_path))
+    with pytest.raises(ConfigError, match="no checkpoint in .* to evaluate"):
+        check_resume(empty)
+    # 64 does not split over 3 processes: refused for training, no matter for an evaluation
+    with pytest.raises(ConfigError, match="cannot be split evenly over 3 processes"):
+        check_config(TrainConfig(batch_size=64), world_size=3, cuda=False, samples=1438)
+    check_config(dataclasses.replace(empty, batch_size=64), world_size=3, cuda=False, samples=1438)
+    save_checkpoint({"model": {"w": torch.zeros(2)}, "config": TrainConfig().to_dict()},
+                    tmp_path / "checkpoints", step=5)
+    check_resume(empty)  # found: a run's checkpoint, whatever it said about eval_only

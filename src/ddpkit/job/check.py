@@ -135,7 +135,23 @@ def check_config(cfg: TrainConfig, world_size: int, cuda: bool,
     if cfg.resume not in (None, "", "auto") and not os.path.exists(cfg.resume):
         raise ConfigError(f"--resume {cfg.resume!r} does not exist; give a checkpoint file, a "
                           "directory of checkpoints, or 'auto'")
-    micro_batch_size(cfg, world_size, samples)
+    if cfg.eval_only:
+        _check_eval_only(cfg)
+    else:  # an evaluation makes no training loader: its batch need not split
+        micro_batch_size(cfg, world_size, samples)
+
+
+def _check_eval_only(cfg: TrainConfig) -> None:
+    """``--eval-only`` evaluates a checkpoint: it needs ``--resume`` and trains nothing.
+
+    Example::
+
+        _check_eval_only(TrainConfig(eval_only=True))   # ConfigError: give --resume
+    """
+    if not cfg.resume:
+        raise ConfigError("--eval-only evaluates a checkpoint: give --resume PATH (a checkpoint "
+                          "file or a checkpoints directory), or --resume auto with the run's "
+                          "--output")
 
 
 def known_train_size(cfg: TrainConfig) -> int | None:
@@ -173,7 +189,7 @@ _RUN_KEYS = ("model", "data", "context", "seed")
 # What the job's checkpoints hold beside "model" (a user's {"model": ..., "epoch": 3} is not one).
 _OWN_KEYS = ("progress", "config", "meta")
 # Keys whose change on resume is no change to the run's course: not worth a note.
-_QUIET_KEYS = ("resume", "output", "progress", "nproc")
+_QUIET_KEYS = ("resume", "output", "progress", "nproc", "eval_only")
 
 
 def describe_foreign(state: object) -> str:
@@ -207,6 +223,10 @@ def check_resume(cfg: TrainConfig) -> None:
     with warnings.catch_warnings():  # torn checkpoints are skipped (and said) by the workers
         warnings.simplefilter("ignore")
         found = resolve_resume(cfg.resume, os.path.join(cfg.output, "checkpoints"))
+    if cfg.eval_only and not found:
+        raise ConfigError(f"--eval-only --resume {cfg.resume}: no checkpoint in "
+                          f"{os.path.join(cfg.output, 'checkpoints')} to evaluate; give a "
+                          "checkpoint file or the --output of a run that saved one")
     if found and not ("model" in found[1] and any(k in found[1] for k in _OWN_KEYS)):
         raise ConfigError(f"--resume {cfg.resume}: {found[0]} is not a checkpoint of ddpkit "
                           f"train ({describe_foreign(found[1])}); --resume continues a run from "

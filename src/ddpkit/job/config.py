@@ -111,6 +111,8 @@ class TrainConfig:
                                         "auto", above=0)
     ckpt_async: bool = _opt(False, "write checkpoints in the background (a step waits only "
                                    "for a copy in host memory)")
+    eval_only: bool = _opt(False, "evaluate the --resume checkpoint's model on the test set on "
+                                  "these processes and stop (trains and writes nothing)")
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain dict (for JSON/YAML and checkpoints)."""

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import tempfile
 from typing import Iterator, List, Mapping, Optional, Union
 
 import torch
@@ -130,11 +131,16 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
     if gpus and not inside:
         check_gpu_sharing(cfg.nproc, gpus, cfg.backend)
     world = detect(os.environ).world_size if inside else cfg.nproc * launch.nnodes
-    if launch.elastic and not inside:  # the job may go on with MIN nodes: same global batch
+    if launch.elastic and not inside and not cfg.eval_only:  # MIN nodes: same global batch
         check_every_world(cfg, cfg.nproc, launch.min_nodes or 1, launch.nnodes,
                           known_train_size(cfg))
     check_config(cfg, world, gpus > 0, known_train_size(cfg))
     check_resume(cfg)  # before the run directory's config is replaced
+    if cfg.eval_only:  # reads a checkpoint, writes nothing: no lock, the config in a temp file
+        with tempfile.TemporaryDirectory(prefix="ddpkit-eval-") as tmp:
+            path = os.path.join(tmp, "config.json")
+            cfg.dump(path)
+            return _launch(cfg, launch, inside, path)
     # One run per directory: refused while another holds it, held through restarts.
     with hold_run_dir(cfg.output, lock=_holds_lock(launch, inside)):
         path = _save(cfg)
@@ -156,7 +162,8 @@ def _launch(cfg: TrainConfig, launch: RunConfig, inside: bool, path: str) -> int
                               f"{path}` yourself")
         return horovodrun.run(cfg.nproc, [sys.executable, "-m", WORKER, path])
     return run(dataclasses.replace(launch, script=WORKER, module=True, script_args=[path],
-                                   nproc=cfg.nproc, on_stop=lambda signum: resume_hint(cfg, path)))
+                                   nproc=cfg.nproc, on_stop=None if cfg.eval_only else
+                                   lambda signum: resume_hint(cfg, path)))
 
 
 def resume_hint(cfg: TrainConfig, config_path: str) -> str:

@@ -26,6 +26,7 @@ from .build import build_datasets, build_optimizer, build_scheduler, build_wrapp
 from .check import check_batch_fits, check_config
 from .config import RECORDED, TrainConfig, config_from_dict
 from .datasets import dataset_key
+from .evaluate_only import evaluate_checkpoint
 
 __all__ = ["train", "main"]
 
@@ -66,6 +67,10 @@ def train(cfg: TrainConfig) -> TrainState:
     gpu_math(rt.device, tf32=cfg.tf32, deterministic=cfg.deterministic)
     banner(rt.env, rt.device, rt.backend)
     train_set, test_set = build_datasets(cfg)
+    if cfg.eval_only:  # no training loader: any number of processes evaluates exactly
+        metrics = evaluate_checkpoint(cfg, rt, build_wrapped_model(cfg, rt, train_set), test_set)
+        rt.shutdown()
+        return TrainState(step=metrics["step"], history=[metrics])
     check_batch_fits(cfg, len(train_set), rt.world_size)
     model = build_wrapped_model(cfg, rt, train_set)
     # Weights were initialised identically; from here on each rank gets its own random stream,
