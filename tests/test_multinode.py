@@ -457,11 +457,12 @@ def test_a_stuck_rank_on_another_node_is_named_within_10_s(outcomes, fault):
     named = [line for line in r["out"][0].splitlines() if " is stuck: " in line]
     assert len(named) == 1 and named[0].startswith("ddpkit: rank 2 (pid "), r["out"][0][-3000:]
     assert f" on {r['host']}, " in named[0] and "ranks 0, 1 (at step 30)" in named[0], named
-    if fault == "loop":   # its own watch thread wrote where it is
-        after = r["out"][0].split(named[0], 1)[1].strip().splitlines()
-        assert after[0].startswith("fault (stall_script.py:"), r["out"][0][-3000:]
-    else:                 # stopped, alone on its node: nobody there can read its stack
-        assert "no word from it for" in named[0] and "no rank on its host" in named[0], named
+    # the stack, innermost: its own watch thread wrote it (loop); stopped alone on its node,
+    # no rank there can read it, and its node's launcher did (py-spy)
+    after = r["out"][0].split(named[0], 1)[1].strip().splitlines()
+    assert after[0].startswith("fault (stall_script.py:"), r["out"][0][-3000:]
+    if fault == "stop":
+        assert "no word from it for" in named[0] and "no rank on its host" not in named[0], named
     assert "the job keeps waiting" in r["out"][0]
     assert r["codes"][0] == 1 and "timed out after 20 s" in r["out"][0]
 

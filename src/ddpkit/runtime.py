@@ -219,7 +219,7 @@ def _watch_for_stalls(heartbeat: Heartbeat, store: Any, world_size: int,
     several; ``DDPKIT_STALL_AFTER=0`` (``ddpkit run --stall-after 0``) turns it off."""
     after = stall.after_from_env()
     if after > 0 and world_size > 1 and store is not None:
-        watch = stall.StallWatch(heartbeat, store, after=after,
+        watch = stall.StallWatch(heartbeat, stall.watch_store(store), after=after,
                                  timeout=timeout.total_seconds()).start()
         atexit.register(watch.stop)  # after the group's exit handler: runs before it
 

@@ -19,12 +19,13 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from .crash import _write
 from .looks import Look, stack_of
 
-__all__ = ["StallWatch", "phase", "after_from_env", "stop_current"]
+__all__ = ["StallWatch", "phase", "after_from_env", "stop_current", "watch_store", "store_prefix",
+           "answer_stack_asks"]
 
 AFTER_VAR = "DDPKIT_STALL_AFTER"   # seconds; 0 turns the watch off (`ddpkit run --stall-after`)
 DEFAULT_AFTER = 5.0
@@ -299,20 +300,8 @@ class StallWatch:
         return rec.get("stack")
 
     def _answer_stack_asks(self) -> None:
-        """Read the stack of a stopped rank on this host when a reporting rank asks (one
-        store call a second while nobody asks, whatever the world size)."""
-        asks = self.store.add(_ASKS, 0)
-        if asks == self._asks_seen:
-            return
-        self._asks_seen = asks
-        for rank in range(self.world_size):
-            key = _STACK_ASK.format(rank=rank)
-            if rank == self.rank or not self.store.check([key]):
-                continue
-            ask = json.loads(self.store.get(key))
-            answer = _STACK.format(rank=rank)
-            if ask.get("host") == self.host and not self.store.check([answer]):
-                self.store.set(answer, json.dumps(self._py_spy(ask["pid"])))
+        self._asks_seen = answer_stack_asks(self.store, self.host, self._asks_seen,
+                                            self.world_size, self._py_spy, skip=self.rank)
 
     def _py_spy(self, pid: int) -> Optional[List[str]]:
         if self._stack_of is not None:
@@ -337,8 +326,68 @@ class StallWatch:
                         "(the others wait for it in every step)\n")
 
 
+def answer_stack_asks(store: Any, host: str, seen: int, world_size: int,
+                      read: Callable[[int], Optional[List[str]]], skip: Optional[int] = None,
+                      mine: Optional[Set[int]] = None) -> int:
+    """Read the stack of a stopped rank on ``host`` (of one of the pids ``mine``, if given)
+    when a reporting rank asks; one store call while nobody asks, whatever the world size. A
+    rank's watch answers for the ranks beside it, a node's launcher for its own workers
+    (:mod:`ddpkit.launchers.stacks`). Returns the asks seen so far.
+
+    Example::
+
+        seen = answer_stack_asks(store, socket.gethostname(), seen, 4, python_stack)
+    """
+    asks = store.add(_ASKS, 0)
+    if asks == seen:
+        return seen
+    for rank in range(world_size):
+        key = _STACK_ASK.format(rank=rank)
+        if rank == skip or not store.check([key]):
+            continue
+        ask = json.loads(store.get(key))
+        answer = _STACK.format(rank=rank)
+        if ask.get("host") == host and (mine is None or ask.get("pid") in mine) \
+                and not store.check([answer]):
+            store.set(answer, json.dumps(read(ask["pid"])))
+    return asks
+
+
+def store_prefix(environ: Mapping[str, str]) -> str:
+    """The watch's keys for one job and attempt (torchrun's restart count), in its store.
+
+    Example::
+
+        store_prefix({"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "1"})
+        # 'ddpkit/job/1/'
+    """
+    return (f"ddpkit/{environ.get('TORCHELASTIC_RUN_ID', 'job')}/"
+            f"{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+
+
+def watch_store(store: Any, environ: Mapping[str, str] = os.environ) -> Any:
+    """The job's store itself (under torchrun, the agent's, at the workers' MASTER_ADDR and
+    MASTER_PORT) under :func:`store_prefix`, not the process group's prefixes: a node's launcher
+    reaches it too, and answers for a stopped worker no other rank on its node can read.
+
+    Example::
+
+        watch = StallWatch(heartbeat, watch_store(rt.engine.store()))
+    """
+    import torch.distributed as dist
+
+    root = getattr(store, "_underlying_non_prefix_store", None)
+    if root is None:  # an older torch: walk the prefixes down
+        root = store
+        while isinstance(root, dist.PrefixStore):
+            root = root.underlying_store
+    if not isinstance(root, dist.Store):  # not a c10d store (Horovod's): as it is
+        return store
+    return dist.PrefixStore(store_prefix(environ), root)
+
+
 def _no_stack(silent: bool, here: bool) -> str:
     if silent and not here:
         return ("no rank on its host answered for its stack (a stopped process's stack is read "
-                "with py-spy on its own host)")
+                "with py-spy on its own host, by a rank there or by `ddpkit run`)")
     return "its Python stack could not be read (pip install py-spy)"

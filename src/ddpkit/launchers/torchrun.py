@@ -19,7 +19,7 @@ from ..faults.crash import LAUNCHER_PID_VAR
 from ..errors import ConfigError
 from ..env.k8s import pod_launch
 from ..faults.stops import STOP_SIGNALS, signal_name
-from . import elastic, network as net, restarts, srun, watchdog
+from . import elastic, network as net, restarts, srun, stacks, watchdog
 from .network import port_in_use
 
 __all__ = ["RunConfig", "run", "torchrun_args", "rendezvous_id", "resolve_nproc", "AGENT_SIGNALS"]
@@ -269,12 +269,16 @@ def _network(cfg: RunConfig) -> Tuple[List[str], net.NodeNetwork]:
 
 
 def _guard(cfg: RunConfig, is_host: bool) -> Any:
-    """Several nodes meeting at a c10d endpoint: the --nnodes check and the agent watchdog."""
+    """Several nodes meeting at a c10d endpoint: the --nnodes check, the agent watchdog and the
+    answers for a stopped worker's stack."""
     if (cfg.nnodes <= 1 and not cfg.elastic) or not cfg.rdzv_endpoint:
         return contextlib.nullcontext()
     watchdog.watch_nnodes(cfg.rdzv_endpoint, cfg.nnodes_spec, cfg.rdzv_id or "ddpkit",
                           cfg.rdzv_timeout or 600.0, is_host=is_host)
-    return watchdog.AgentWatchdog(cfg.rdzv_endpoint)
+    guards = contextlib.ExitStack()
+    guards.enter_context(watchdog.AgentWatchdog(cfg.rdzv_endpoint))
+    guards.enter_context(stacks.StackAnswers())  # a stopped worker alone on this node
+    return guards
 
 
 def run(cfg: RunConfig) -> int:
