@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as tdist
 
 from ddpkit.faults import stall
@@ -152,9 +153,9 @@ def test_a_rank_that_moves_or_has_not_waited_long_is_not_named():
     assert job.reports == []
 
 
-def test_a_save_an_evaluation_a_dataloader_and_a_first_step_get_a_minute():
+def test_a_save_an_evaluation_a_dataloader_a_first_step_and_a_computation_get_a_minute():
     for more in ({"phase": "checkpoint save", "phase_for": 30.0}, {"state": "loading"},
-                 {"first": True}):
+                 {"first": True}, {"state": "computing"}):
         job = Job(2)
         job.record(0, "waiting", still=30)
         job.record(1, **{"state": "running", "still": 30, **more})
@@ -163,6 +164,40 @@ def test_a_save_an_evaluation_a_dataloader_and_a_first_step_get_a_minute():
         job.record(1, **{"state": "running", "still": 61, **more})
         job.watch._look_for_stuck(61.0)
         assert len(job.reports) == 1, more
+
+
+def test_a_long_call_into_torch_is_computing_and_a_python_loop_is_running():
+    # a 30-minute run beside a loaded machine once named a rank whose one convolution took 4
+    # typical steps: its stack was still inside torch, its thread running
+    from ddpkit.faults.looks import Look
+    conv = torch.nn.Conv2d(32, 32, 3, padding=1)
+    x = torch.randn(16, 32, 128, 128)
+    done = threading.Event()
+
+    def forwards():
+        with torch.no_grad():
+            while not done.is_set():
+                conv(x)
+
+    def python_loop():
+        n = 0
+        while not done.is_set():
+            n = (n + 1) % 7
+
+    for target, expected in ((forwards, "computing"), (python_loop, "running")):
+        done.clear()
+        thread = threading.Thread(target=target)
+        thread.start()
+        look, seen = Look(thread.ident, thread.native_id), set()
+        deadline = time.monotonic() + 20
+        while expected not in seen and time.monotonic() < deadline:
+            look.take()
+            seen.add(look.state)
+            time.sleep(0.01)
+        done.set()
+        thread.join()
+        assert expected in seen and "waiting" not in seen, (target.__name__, seen)
+        assert target is forwards or "computing" not in seen
 
 
 def test_a_silent_rank_is_stopped_and_its_stack_read_on_its_host():

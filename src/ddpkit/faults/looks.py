@@ -18,6 +18,9 @@ __all__ = ["Look", "stack_of"]
 _WAIT_FILES = (os.sep.join(("torch", "distributed", "")), os.sep.join(("torch", "autograd", "")),
                os.sep.join(("torch", "nn", "parallel", "distributed.py")))
 _LOADER_FILES = (os.sep.join(("torch", "utils", "data", "")),)
+# A computation: inside torch (a module's forward, autograd's backward, an optimizer step) and
+# running. One long call keeps the Python stack still (a large convolution on a busy machine).
+_TORCH = os.sep.join(("", "torch", ""))
 
 
 def _thread_state(native_id: Optional[int]) -> Optional[str]:
@@ -66,7 +69,7 @@ def _short(filename: str) -> str:
 
 class Look:
     """What thread ``ident`` (``native_id`` for the kernel) is doing, updated by :meth:`take`:
-    ``state`` (``waiting``, ``loading``, ``running``), ``moved`` (when its stack last changed),
+    ``state`` (``waiting``, ``loading``, ``computing`` inside torch, ``running``), ``moved`` (when its stack last changed),
     ``frame``, and how many looks found it waiting.
 
     Example::
@@ -104,6 +107,8 @@ class Look:
             self.state = "waiting"
         elif not busy and any(p in filename for p in _LOADER_FILES):
             self.state = "loading"
+        elif busy and _TORCH in filename:
+            self.state = "computing"
         else:
             self.state = "running"
         self.looks += 1

@@ -6,8 +6,10 @@ ends at the collective timeout or on Ctrl-C.
 
 What counts as moving: a finished optimizer step, or a Python stack that changed between two
 looks (a forward, an evaluation, a compilation: all move). What is allowed to take longer: a
-checkpoint save or an evaluation ddpkit runs (:func:`phase`), and a rank waiting for its
-DataLoader (a slow start): 60 s each before they are named. A rank whose watch thread has
+checkpoint save or an evaluation ddpkit runs (:func:`phase`), a rank waiting for its
+DataLoader (a slow start), and one running inside a single call into torch (a large forward or
+backward on a machine so busy that one step takes many typical ones): 60 s each before they are
+named. A rank whose watch thread has
 gone silent for 3 s is not running at all (stopped, or holding the GIL in native code): its
 stack is read with ``py-spy`` by a rank on its host.
 """
@@ -233,7 +235,8 @@ class StallWatch:
             if rec is None or rank in waiting:
                 continue
             silent = now - rec["time"] >= _SILENT
-            longer = rec.get("phase") or rec["state"] == "loading" or rec.get("first")
+            longer = rec.get("phase") or rec["state"] in ("loading", "computing") \
+                or rec.get("first")
             allowed = _LONGER if longer else self._limit()
             if silent or rec["still"] >= allowed:
                 stuck.append((rank, rec, silent))
@@ -265,6 +268,9 @@ class StallWatch:
                 stack = rec.get("stack")
             elif rec["state"] == "loading":
                 how = f"waiting for its DataLoader for {rec['still']:.0f} s"
+                stack = rec.get("stack")
+            elif rec["state"] == "computing":
+                how = f"inside one call into torch for {rec['still']:.0f} s"
                 stack = rec.get("stack")
             else:
                 how = f"its Python stack has not moved for {rec['still']:.0f} s"
