@@ -27,11 +27,11 @@ from ddpkit.wrap import WrapOptions
 
 
 def test_one_engine_per_name():
-    assert engines.ENGINES == ("ddp", "fsdp", "dp", "horovod", "none")
-    for name, cls in zip(engines.ENGINES, (DDPEngine, FSDPEngine, DPEngine, HorovodEngine,
-                                              NoneEngine)):
-        engine = engines.create(name)
-        assert type(engine) is cls and engine.name == name
+    made = {name: engines.create(name) for name in engines.ENGINES}   # every name offered
+    assert {name: type(engine) for name, engine in made.items()} == {
+        "ddp": DDPEngine, "fsdp": FSDPEngine, "dp": DPEngine, "horovod": HorovodEngine,
+        "none": NoneEngine}
+    assert all(engine.name == name for name, engine in made.items())
 
 
 def test_the_interface_the_torch_collectives_and_the_none_engine_are_three_classes():

@@ -14,8 +14,18 @@ from ddpkit.precision import POLICIES, Precision
 CPU = torch.device("cpu")
 
 
-def test_policies():
-    assert POLICIES == ("fp32", "bf16", "fp16")
+def test_each_policy_named_is_an_autocast_dtype_or_says_what_it_needs():
+    # every name the flag offers is a working policy on CPU, or one line saying what it needs
+    dtypes = {}
+    for policy in POLICIES:
+        try:
+            dtypes[policy] = Precision(policy, CPU).dtype
+        except ConfigError as exc:
+            assert policy == "fp16" and "needs a CUDA device" in str(exc)
+    assert dtypes == {"fp32": None, "bf16": torch.bfloat16}
+    with pytest.raises(ConfigError, match="unknown precision 'fp8'; choose one of " +
+                       ", ".join(POLICIES)):
+        Precision("fp8", CPU)
 
 
 def test_default_is_fp32_on_cpu():

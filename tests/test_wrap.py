@@ -8,7 +8,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ddpkit.env.detect import ClusterEnv
 from ddpkit.errors import ConfigError
-from ddpkit.engines import ENGINES, wrap_model
+from ddpkit.engines import wrap_model
 from ddpkit.engines.ddp import register_comm_hook as _register_comm_hook
 from ddpkit.wrap import WrapOptions, unwrap
 
@@ -21,10 +21,6 @@ class Net(nn.Module):
         self.conv = nn.Conv2d(1, 2, 3)
         self.bn = nn.BatchNorm2d(2)
         self.fc = nn.Linear(2, 1)
-
-
-def test_strategies():
-    assert ENGINES == ("ddp", "fsdp", "dp", "horovod", "none")
 
 
 def test_wrap_options_defaults():

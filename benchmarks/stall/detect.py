@@ -102,7 +102,17 @@ def false_alarms(minutes: float, out: str) -> dict:
     epochs = sum(line.startswith("epoch ") for line in lines)  # each evaluated and saved
     return {"minutes": minutes, "epochs": epochs, "stall_reports": sum(STUCK in l for l in lines),
             "straggler_lines": sum("straggler" in l for l in lines),
-            "reports": [l.strip() for l in lines if STUCK in l][:5]}
+            "reports": [_with_stack(lines, i) for i, l in enumerate(lines) if STUCK in l][:5]}
+
+
+def _with_stack(lines: list, i: int) -> str:
+    """A report line and the stack lines under it (indented), as one string."""
+    stack = []
+    for line in lines[i + 1:i + 12]:
+        if not line.startswith("    "):
+            break
+        stack.append(line.strip())
+    return " | ".join([lines[i].strip(), *stack])
 
 
 def main() -> None:
