@@ -55,7 +55,7 @@ def one_node(fault: str, at: int, out: str) -> dict:
     proc.wait()
     return {"fault": fault, "at": at, "named_after": None if named is None or began is None
             else round(named - began, 2), "reports": sum(STUCK in l for l in lines),
-            "line": next((l.strip() for l in lines if STUCK in l), "")}
+            "line": next((_with_stack(lines, i) for i, l in enumerate(lines) if STUCK in l), "")}
 
 
 def three_nodes(fault: str, at: int, out: str) -> dict:
@@ -81,7 +81,8 @@ def three_nodes(fault: str, at: int, out: str) -> dict:
         c.wait(timeout=60, nodes=[0])
     return {"fault": fault, "at": at, "named_after": None if named is None
             else round(named - began, 2), "reports": text.count(STUCK),
-            "line": next((l for l in text.splitlines() if STUCK in l), "")}
+            "line": next((_with_stack(text.splitlines(), i) for i, l in enumerate(text.splitlines())
+                          if STUCK in l), "")}
 
 
 def false_alarms(minutes: float, out: str) -> dict:
@@ -133,7 +134,8 @@ def main() -> None:
             r = (one_node if args.nodes == 1 else three_nodes)(fault, at, out)
         results["trials"].append(r)
         print(f"trial {trial + 1:2d} {fault:5s} at step {at}: named after {r['named_after']} s "
-              f"({r['reports']} report{'s' if r['reports'] != 1 else ''})", flush=True)
+              f"({r['reports']} report{'s' if r['reports'] != 1 else ''}, "
+              f"{'with' if ' | ' in r['line'] else 'without'} its stack)", flush=True)
     named = sorted(r["named_after"] for r in results["trials"] if r["named_after"] is not None)
     if results["trials"]:
         print(f"{args.nodes} node(s): {len(named)} of {len(results['trials'])} named; within 10 s: "
