@@ -102,3 +102,7 @@ def test_eval_only_needs_a_checkpoint_and_no_batch_that_splits(tmp_path):
     save_checkpoint({"model": {"w": torch.zeros(2)}, "config": TrainConfig().to_dict()},
                     tmp_path / "checkpoints", step=5)
     check_resume(empty)  # found: a run's checkpoint, whatever it said about eval_only
+    # the seed orders the training data: no matter to an evaluation (the model still must fit)
+    check_resume(dataclasses.replace(empty, seed=5))
+    with pytest.raises(ConfigError, match="was written with --model small_cnn"):
+        check_resume(dataclasses.replace(empty, model="resnet18"))

@@ -3,6 +3,7 @@ rank on another node asks (the report of a rank stopped alone on its node); real
 real py-spy, the job's store on loopback."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from ddpkit.faults import stall
@@ -24,6 +26,8 @@ stop_here()
 """
 
 
+@pytest.mark.skipif(shutil.which("py-spy") is None and not os.access(
+    os.path.join(os.path.dirname(sys.executable), "py-spy"), os.X_OK), reason="needs py-spy")
 def test_a_launcher_reads_the_stack_of_its_stopped_worker_when_asked(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, RANK="2", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
@@ -41,7 +45,8 @@ def test_a_launcher_reads_the_stack_of_its_stopped_worker_when_asked(tmp_path):
         assert worker_environments()[proc.pid]["MASTER_PORT"] == str(store.port)
         # what the rank reporting it on another node writes: its own pid is not this
         # launcher's worker (not answered), the stopped one is
-        watch = dist.PrefixStore(stall.store_prefix(env), store)
+        # the worker's side: its process group's store under torchrun's agent store
+        watch = stall.watch_store(dist.PrefixStore("/worker/attempt_1", store), env)
         here = socket.gethostname()
         watch.set(stall._STACK_ASK.format(rank=1), json.dumps({"host": here, "pid": os.getpid()}))
         watch.set(stall._STACK_ASK.format(rank=2), json.dumps({"host": here, "pid": proc.pid}))
@@ -54,3 +59,23 @@ def test_a_launcher_reads_the_stack_of_its_stopped_worker_when_asked(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def test_the_watch_keys_are_one_per_job_and_per_attempt_only_where_the_store_outlives_one():
+    job = {"TORCHELASTIC_RUN_ID": "job"}
+    # a fresh store each round (ddpkit run on several nodes): the nodes' counts may differ
+    assert stall.store_prefix({**job, "TORCHELASTIC_RESTART_COUNT": "1"}) == \
+        stall.store_prefix({**job, "TORCHELASTIC_RESTART_COUNT": "0"})
+    shared = {**job, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert stall.store_prefix({**shared, "TORCHELASTIC_RESTART_COUNT": "1"}) != \
+        stall.store_prefix({**shared, "TORCHELASTIC_RESTART_COUNT": "0"})
+
+
+def test_a_rank_that_cannot_read_a_stack_leaves_the_answer_to_one_that_can():
+    store = dist.HashStore()
+    store.set(stall._STACK_ASK.format(rank=1), json.dumps({"host": "h", "pid": 42}))
+    store.add(stall._ASKS, 1)
+    seen = stall.answer_stack_asks(store, "h", 0, 2, lambda pid: None, skip=0)  # no ptrace right
+    assert seen == 1 and not store.check([stall._STACK.format(rank=1)])
+    stall.answer_stack_asks(store, "h", 0, 2, lambda pid: [f"here (pid {pid})"], mine={42})
+    assert json.loads(store.get(stall._STACK.format(rank=1))) == ["here (pid 42)"]

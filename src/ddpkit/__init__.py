@@ -83,7 +83,7 @@ except BaseException as _exc:  # Ctrl-C while torch loads (the first seconds of 
         _sys.stderr.write("interrupted\n")  # the `ddpkit` command: one line, not a traceback
     _os._exit(130)
 finally:
-    if _noting:
+    if _noting and _signal.getsignal(_signal.SIGINT) is _noting_interrupt:
         _signal.signal(_signal.SIGINT, _signal.default_int_handler)
 
 from .version import __version__  # noqa: E402  isort: skip

@@ -21,6 +21,7 @@ _LOADER_FILES = (os.sep.join(("torch", "utils", "data", "")),)
 # A computation: inside torch (a module's forward, autograd's backward, an optimizer step) and
 # running. One long call keeps the Python stack still (a large convolution on a busy machine).
 _TORCH = os.sep.join(("", "torch", ""))
+_COLLECTIVES = os.sep.join(("torch", "distributed", ""))  # busy there: spinning in a wait
 
 
 def _thread_state(native_id: Optional[int]) -> Optional[str]:
@@ -85,6 +86,7 @@ class Look:
         self.waits = self.looks = 0        # looks that found it waiting, since the last record
         self.state = "running"
         self.frame: Any = None
+        self._computing = False
 
     def take(self) -> None:
         frame = sys._current_frames().get(self.ident)
@@ -100,14 +102,18 @@ class Look:
         signature = tuple(signature)
         now = time.monotonic()
         if signature != self.signature:
-            self.signature, self.moved = signature, now
+            self.signature, self.moved, self._computing = signature, now, False
         busy = _thread_state(self.native_id) not in ("S", "D")  # asleep: waits on something
         filename = _first_outside_stdlib(frame)
+        # computing: found busy inside torch once since the stack last moved (the thread may
+        # sleep a moment while torch's own threads work, in the same call)
+        self._computing = self._computing or (busy and _TORCH in filename
+                                              and _COLLECTIVES not in filename)
         if not busy and any(p in filename for p in _WAIT_FILES):
             self.state = "waiting"
         elif not busy and any(p in filename for p in _LOADER_FILES):
             self.state = "loading"
-        elif busy and _TORCH in filename:
+        elif self._computing:
             self.state = "computing"
         else:
             self.state = "running"

@@ -291,6 +291,8 @@ class StallWatch:
         on its host; the stack it last wrote itself otherwise."""
         if rec.get("host") == self.host:
             return self._py_spy(rec["pid"]) or rec.get("stack")
+        with contextlib.suppress(Exception):  # an answer to an earlier ask: not this one's
+            self.store.delete_key(_STACK.format(rank=rank))
         self.store.set(_STACK_ASK.format(rank=rank), json.dumps(
             {"host": rec["host"], "pid": rec["pid"]}))
         self.store.add(_ASKS, 1)
@@ -355,20 +357,26 @@ def answer_stack_asks(store: Any, host: str, seen: int, world_size: int,
         answer = _STACK.format(rank=rank)
         if ask.get("host") == host and (mine is None or ask.get("pid") in mine) \
                 and not store.check([answer]):
-            store.set(answer, json.dumps(read(ask["pid"])))
+            stack = read(ask["pid"])
+            if stack:  # one that cannot read it (no ptrace right) leaves it to one that can
+                store.set(answer, json.dumps(stack))
     return asks
 
 
 def store_prefix(environ: Mapping[str, str]) -> str:
-    """The watch's keys for one job and attempt (torchrun's restart count), in its store.
+    """The watch's keys for one job in its store, and for one attempt where the store outlives
+    an attempt (torchrun's agent store, shared by the restarts of one node); a fresh store each
+    round (`ddpkit run` on several nodes) needs none, and there the nodes' restart counts can
+    differ, so none is added (as :func:`ddpkit.env.dist.init_process_group` does).
 
     Example::
 
-        store_prefix({"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "1"})
-        # 'ddpkit/job/1/'
+        store_prefix({"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "1",
+                      "TORCHELASTIC_USE_AGENT_STORE": "True"})   # 'ddpkit/job/1/'
     """
-    return (f"ddpkit/{environ.get('TORCHELASTIC_RUN_ID', 'job')}/"
-            f"{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+    attempt = (environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+               if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "0")
+    return f"ddpkit/{environ.get('TORCHELASTIC_RUN_ID', 'job')}/{attempt}/"
 
 
 def watch_store(store: Any, environ: Mapping[str, str] = os.environ) -> Any:
@@ -382,14 +390,17 @@ def watch_store(store: Any, environ: Mapping[str, str] = os.environ) -> Any:
     """
     import torch.distributed as dist
 
-    root = getattr(store, "_underlying_non_prefix_store", None)
-    if root is None:  # an older torch: walk the prefixes down
-        root = store
-        while isinstance(root, dist.PrefixStore):
-            root = root.underlying_store
-    if not isinstance(root, dist.Store):  # not a c10d store (Horovod's): as it is
+    try:
+        root = getattr(store, "_underlying_non_prefix_store", None)
+        if root is None:  # an older torch: walk the prefixes down
+            root = store
+            while isinstance(root, dist.PrefixStore):
+                root = root.underlying_store
+        if not isinstance(root, dist.Store):  # not a c10d store (Horovod's): as it is
+            return store
+        return dist.PrefixStore(store_prefix(environ), root)
+    except Exception:  # noqa: BLE001 - diagnostics must never break set-up: the group's own
         return store
-    return dist.PrefixStore(store_prefix(environ), root)
 
 
 def _no_stack(silent: bool, here: bool) -> str:

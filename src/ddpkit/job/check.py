@@ -235,7 +235,8 @@ def check_resume(cfg: TrainConfig) -> None:
     saved = (found[1].get("config") or {}) if found else {}
     if not isinstance(saved, dict):
         return
-    differ = [k for k in _RUN_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    keys = [k for k in _RUN_KEYS if not (cfg.eval_only and k == "seed")]  # the data's order
+    differ = [k for k in keys if k in saved and saved[k] != getattr(cfg, k)]
     if differ:
         theirs = " ".join(f"--{k} {saved[k]}" for k in differ)
         ours = " ".join(f"--{k} {getattr(cfg, k)}" for k in differ)
@@ -244,7 +245,7 @@ def check_resume(cfg: TrainConfig) -> None:
                           f"--config of that run), or start this one in another --output")
     changed = [(k, saved[k], getattr(cfg, k)) for k in sorted(saved)
                if hasattr(cfg, k) and k not in _QUIET_KEYS and saved[k] != getattr(cfg, k)]
-    if changed:  # allowed (a longer run, another lr), but not silently
+    if changed and not cfg.eval_only:  # allowed (a longer run, another lr), but not silently
         said = ", ".join(f"{k} {old} -> {new}" for k, old, new in changed)
         print(f"note: resuming {found[0].name} with changes from the run that wrote it: {said}",
               file=sys.stderr, flush=True)

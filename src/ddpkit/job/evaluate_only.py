@@ -61,6 +61,6 @@ def eval_line(m: Dict[str, Any], processes: int) -> str:
     others = [f"{k[5:]} {v:.4g}" for k, v in m.items() if k.startswith("eval/")
               and k[5:] not in ("loss", "count") and not k.startswith("eval/top")]
     where = f"{processes} process{'es' if processes != 1 else ''}"
-    return "  ".join([f"eval of {m['checkpoint']} (step {m['step']}) on {where}: "
-                      f"loss {m['eval/loss']:.4f}", *scores, *others,
-                      f"({m['eval/count']} targets)"])
+    loss = f"loss {m['eval/loss']:.4f}" if "eval/loss" in m else "no loss"
+    return "  ".join([f"eval of {m['checkpoint']} (step {m['step']}) on {where}: {loss}",
+                      *scores, *others, f"({m.get('eval/count', 0)} targets)"])

@@ -75,7 +75,8 @@ class StackAnswers:
             try:
                 # /proc is read again only when a worker is gone (a restart): not twice a
                 # second in every launcher of a busy machine
-                if not workers or not all(os.path.exists(f"/proc/{pid}") for pid in workers):
+                if not workers or not all(os.path.exists(f"/proc/{pid}") for pid in workers) \
+                        or len(workers) < _local_world(workers):  # some still starting
                     workers = worker_environments()
                 if not workers:
                     continue
@@ -89,6 +90,14 @@ class StackAnswers:
                                                self._read or _py_spy, mine=set(workers))
             except Exception:  # noqa: BLE001 - the store not up yet, or gone: next time
                 where = None
+
+
+def _local_world(workers: Dict[int, Dict[str, str]]) -> int:
+    env = next(iter(workers.values()))
+    try:
+        return int(env.get("LOCAL_WORLD_SIZE", len(workers)))
+    except ValueError:
+        return len(workers)
 
 
 def _listening(addr: str, port: int) -> bool:
