@@ -110,8 +110,11 @@ class Stops:
             yield self
         finally:
             self._graceful -= 1
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            # a context left open (a Checkpointer never closed) is closed by the garbage
+            # collector, in whichever thread collects: only the main thread may set handlers
+            if threading.current_thread() is threading.main_thread():
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     def poll(self, engine: Any) -> Optional[int]:
         """The stop signal the ranks agreed on, one poll late, or None: every rank calls it at
