@@ -144,13 +144,31 @@ def test_each_round_the_first_node_says_how_membership_changed(monkeypatch, caps
         "ddpkit run: node b left; node d joined; 2 nodes go on (d, a) of --nnodes 2:3"]
 
 
+# gloo's words for a lost peer: it closed its socket; its host reset the connection (a killed
+# node: the survivors see this one); the same over IPv6.
+GLOO_LOSSES = {
+    "10.213.0.3": "[pair.cc:598] Connection closed by peer [10.213.0.3]:1968",
+    "10.213.0.2": "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                  "error [10.213.0.2]:54509: Connection reset by peer. This is typically caused "
+                  "by a remote worker hanging or bugs in the application.",
+    "fd00::3": "[pair.cc:537] Read error [fd00::3]:40112: Connection reset by peer.",
+}
+
+
+@pytest.mark.parametrize("peer, message", GLOO_LOSSES.items(), ids=GLOO_LOSSES.keys())
+def test_each_way_gloo_names_a_lost_peer_gives_its_address(tmp_path, monkeypatch, peer, message):
+    error_file = str(tmp_path / "error.json")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", error_file)
+    note_peer_loss(RuntimeError(message), type("Progress", (), {"last_step": 3})())
+    assert json.load(open(error_file + PEER_LOSS_SUFFIX)) == {"step": 3, "peer": peer}
+
+
 def test_a_rank_that_lost_a_peer_leaves_the_step_and_address_for_the_restart_line(tmp_path,
                                                                                  monkeypatch):
     error_file = str(tmp_path / "error.json")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", error_file)
     progress = type("Progress", (), {"last_step": 17})()
-    note_peer_loss(RuntimeError("[pair.cc:598] Connection closed by peer [10.213.0.3]:1968"),
-                   progress)
+    note_peer_loss(RuntimeError(GLOO_LOSSES["10.213.0.3"]), progress)
     assert json.load(open(error_file + PEER_LOSS_SUFFIX)) == {"step": 17, "peer": "10.213.0.3"}
     failure = type("Failure", (), {"error_file_data": {"message": "<NONE>"}, "exitcode": 1})()
     assert _peer_loss(failure, error_file) == (

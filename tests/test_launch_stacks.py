@@ -79,3 +79,43 @@ def test_a_rank_that_cannot_read_a_stack_leaves_the_answer_to_one_that_can():
     assert seen == 1 and not store.check([stall._STACK.format(rank=1)])
     stall.answer_stack_asks(store, "h", 0, 2, lambda pid: [f"here (pid {pid})"], mine={42})
     assert json.loads(store.get(stall._STACK.format(rank=1))) == ["here (pid 42)"]
+
+
+HOSTS_THE_STORE = """import sys, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_launcher_whose_workers_store_goes_with_them_prints_nothing(tmp_path, capfd):
+    """A restart: the rank that held the job's store ends while the launcher still polls it.
+    torch's client prints its native stack trace for a store that is gone; the launcher only
+    tries again later, so it says nothing."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="job")
+    script = tmp_path / "rank0.py"
+    script.write_text(HOSTS_THE_STORE)
+    proc = subprocess.Popen([sys.executable, str(script), str(port)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        mine = dist.PrefixStore(stall.store_prefix(env),
+                                dist.TCPStore("127.0.0.1", port, is_master=False))
+        with StackAnswers(interval=0.05):
+            deadline = time.monotonic() + 30
+            while not mine.check([stall._ASKS]) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the launcher has found its worker and polls its store
+            assert mine.check([stall._ASKS])
+            del mine
+            proc.kill()       # its store goes with it; left unreaped, it is still a child a
+            time.sleep(1.0)   # while, as a worker is until its agent reaps it
+        proc.wait()
+    finally:
+        proc.kill()
+        proc.wait()
+    err = capfd.readouterr().err
+    assert "recvValue failed" not in err and "Exception raised from" not in err, err

@@ -262,3 +262,46 @@ def test_a_phase_is_recorded_and_restored_when_nested():
             assert stall._PHASE["name"] == "checkpoint save"
         assert stall._PHASE["name"] == "evaluation"
     assert stall._PHASE["name"] is None
+
+
+HOLDS_THE_STORE = """import sys, time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+sys.stdin.readline()
+"""
+
+ASKS_A_GONE_STORE = """import contextlib, subprocess, sys, torch.distributed as dist
+from ddpkit.faults.nativelog import _level_flag, quiet_native_warnings
+server = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+port = int(server.stdout.readline())
+clients = [dist.TCPStore("127.0.0.1", port, is_master=False) for _ in range(2)]
+server.kill(); server.wait()
+before = _level_flag().value if _level_flag() is not None else None
+with quiet_native_warnings():
+    with quiet_native_warnings():   # nested, as two threads of one process may be
+        pass
+for quiet, client in zip((True, False), clients):  # quiet inside; loud again outside
+    try:
+        with quiet_native_warnings() if quiet else contextlib.nullcontext():
+            client.add("k", 1)
+    except dist.DistError:
+        print(f"raised, quiet={quiet}", file=sys.stderr, flush=True)
+print("level", before, _level_flag().value if _level_flag() is not None else None, flush=True)
+"""
+
+
+def test_a_store_that_is_gone_raises_without_a_native_stack_trace_while_quiet(tmp_path):
+    """The stall watch and a launcher poll the job's store; when it goes with its rank, torch
+    prints a C++ warning with its native stack before it raises, each try. Inside
+    quiet_native_warnings it only raises; the level is restored after (nested too)."""
+    script = tmp_path / "ask.py"
+    script.write_text(ASKS_A_GONE_STORE)
+    res = subprocess.run([sys.executable, str(script), HOLDS_THE_STORE], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    err = res.stderr
+    quiet, loud = err.split("raised, quiet=True")
+    assert "recvValue failed" not in quiet and "Exception raised from" not in quiet, quiet
+    assert "raised, quiet=False" in loud and "recvValue failed" in loud, loud  # restored
+    assert res.stdout.strip() == "level 1 1"

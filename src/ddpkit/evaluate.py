@@ -6,6 +6,7 @@ evaluates a disjoint block and only sums and counts cross the wire, once, at the
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence,
                     Tuple, Union)
 
@@ -27,11 +28,22 @@ from .seed import preserved_rng
 from .checkpoint.sharded import is_sharded
 from .wrap import unwrap
 
-__all__ = ["evaluate", "topk_correct", "rank0_buffers"]
+__all__ = ["evaluate", "topk_correct", "rank0_buffers", "perplexity"]
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
 #: A regression's (sum, count) names: the errors, then the sums of y and y^2 that make r2 exact.
 REGRESSION_SUMS = ("mse", "mae", "_sum_y", "_sum_y2")
+
+
+def perplexity(loss: float) -> float:
+    """A language model's perplexity from its mean token loss (capped where ``exp`` would
+    overflow: a diverged model's loss).
+
+    Example::
+
+        perplexity(2.0)   # 7.389...
+    """
+    return math.exp(min(loss, 700.0))
 
 
 def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks: Sequence[int]) -> list[int]:
@@ -114,7 +126,7 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
         result = evaluate(model, test_set, batch_size=128)
         print0(f"top-1 {result['top1']:.2f}% on {result['count']} samples")
         lm = evaluate(gpt, val_tokens, topk=())          # (B, T, V) logits: per-token loss
-        print0(f"perplexity {math.exp(lm['loss']):.2f} over {lm['count']} tokens")
+        print0(f"perplexity {perplexity(lm['loss']):.2f} over {lm['count']} tokens")
         reg = evaluate(regressor, val_rows)             # (B, 1) outputs, float (B,) targets
         print0(f"r2 {reg['r2']:.4f}, mae {reg['mae']:.3f}")
     """

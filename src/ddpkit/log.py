@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Dict, Iterable, Iterator, List, Optional, TypeVar
 
 import torch
 
@@ -140,6 +140,21 @@ def progress_bar(iterable: Iterable[T], total: Optional[int], desc: str, enabled
                 unit="img", unit_scale=samples_per_item)
 
 
+def format_scores(m: Dict[str, Any]) -> List[str]:
+    """An evaluation's scores beside its loss: top-k accuracies in percent, then the others
+    (perplexity, R^2, ...).
+
+    Example::
+
+        format_scores({"eval/loss": 0.7, "eval/top1": 89.4, "eval/perplexity": 2.01})
+        # ['top1 89.40%', 'perplexity 2.01']
+    """
+    evals = [(k[5:], v) for k, v in m.items() if k.startswith("eval/") and isinstance(v, float)]
+    return ([f"{k} {v:.2f}%" for k, v in evals if k.startswith("top")]
+            + [f"{k} {v:.4g}" for k, v in evals
+               if not k.startswith("top") and k not in ("loss", "count")])
+
+
 def format_epoch(m: Dict[str, float], epochs: int) -> str:
     """One line per epoch: loss, accuracy, throughput.
 
@@ -152,14 +167,8 @@ def format_epoch(m: Dict[str, float], epochs: int) -> str:
     else:
         parts = [f"epoch {m['epoch']}/{epochs}", f"loss {m['train/loss']:.4f}"]
     if "eval/loss" in m:
-        scores = "  ".join(f"{k[5:]} {v:.2f}%" for k, v in m.items()
-                           if k.startswith("eval/top") and isinstance(v, float))
-        others = "  ".join(f"{k[5:]} {v:.4g}" for k, v in m.items() if k.startswith("eval/")
-                           and k[5:] not in ("loss", "count") and not k.startswith("eval/top")
-                           and isinstance(v, float))
-        parts.append("  ".join(p for p in (f"eval loss {m['eval/loss']:.4f}", scores, others,
-                                           f"({m['eval/count']} targets)")
-                               if p))
+        parts.append("  ".join([f"eval loss {m['eval/loss']:.4f}", *format_scores(m),
+                                f"({m['eval/count']} targets)"]))
     if "train/samples_per_s" in m and m.get("train/samples") != 0:
         parts.append(f"{m['train/samples_per_s']:.0f} samples/s  step {m['train/step_ms']:.1f} ms")
     return "  ".join(parts)

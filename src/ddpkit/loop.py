@@ -20,6 +20,7 @@ from .data.batches import (batch_size_of, channels_last, default_loss, forward, 
                       step_sums, targets_of, to_device)
 from .data.loader import DistributedLoader
 from .errors import ConfigError, DDPKitError
+from .evaluate import perplexity
 from .log import RunLogger, format_epoch, progress_bar
 from .fitconfig import CheckpointPolicy, FitConfig, Hook
 from .precision import Precision
@@ -229,7 +230,7 @@ class _Fit:
                                   step=self.cfg.step if self._step_gives_sums else None,
                                   topk=self.cfg.eval_topk)
         if self.cfg.perplexity and "loss" in result:
-            result["perplexity"] = math.exp(min(result["loss"], 700.0))
+            result["perplexity"] = perplexity(result["loss"])
         return {f"eval/{k}": v for k, v in result.items()}
 
     def run(self) -> TrainState:

@@ -191,7 +191,10 @@ def note_peer_loss(exc: BaseException, heartbeat: Any) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    peer = re.search(r"peer \[([0-9A-Fa-f.:]+)\]", str(exc))
+    # gloo names the peer as [address]:port: "Connection closed by peer [10.0.0.3]:1968" when it
+    # closed its socket, "Read error [10.0.0.3]:1968: Connection reset by peer" when its host reset
+    # it (a killed node); IPv6 addresses are bracketed alike.
+    peer = re.search(r"\[([0-9A-Fa-f.:]+)\]:\d+", str(exc))
     note = {"step": getattr(heartbeat, "last_step", None), "peer": peer.group(1) if peer else None}
     with contextlib.suppress(OSError):
         with open(path + PEER_LOSS_SUFFIX, "w") as f:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, 
 
 from .crash import _write
 from .looks import Look, stack_of
+from .nativelog import quiet_native_warnings
 
 __all__ = ["StallWatch", "phase", "after_from_env", "stop_current", "watch_store", "store_prefix",
            "answer_stack_asks"]
@@ -156,7 +157,8 @@ class StallWatch:
                 self._look.take()
                 if time.monotonic() >= next_record:
                     next_record = time.monotonic() + self.interval
-                    self._once()
+                    with quiet_native_warnings():  # a store gone raises: tried again later
+                        self._once()
                 failures = 0
             except Exception:  # noqa: BLE001 - diagnostics must never break training
                 failures += 1  # a store call that failed once: try again next time

@@ -4,7 +4,6 @@ written. The training batch need not split over these processes: no training loa
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Dict
@@ -13,6 +12,8 @@ from .. import comm
 from ..checkpoint.files import load_checkpoint, resolve_resume
 from ..checkpoint.restore import load_weights
 from ..errors import ConfigError
+from ..evaluate import perplexity
+from ..log import format_scores
 from ..precision import Precision
 from .config import TrainConfig
 from .datasets import dataset_key
@@ -41,7 +42,7 @@ def evaluate_checkpoint(cfg: TrainConfig, rt: Any, model: Any, test_set: Any) ->
                          precision=Precision(cfg.precision, rt.device),
                          channels_last=cfg.channels_last)
     if dataset_key(cfg.data) == "text" and "loss" in result:
-        result["perplexity"] = math.exp(min(result["loss"], 700.0))
+        result["perplexity"] = perplexity(result["loss"])
     metrics: Dict[str, Any] = {f"eval/{k}": v for k, v in result.items()}
     metrics.update(checkpoint=chosen, step=int(ckpt.get("progress", {}).get("step", 0)))
     comm.print0(eval_line(metrics, rt.world_size))
@@ -57,10 +58,7 @@ def eval_line(m: Dict[str, Any], processes: int) -> str:
                    "checkpoint": "runs/demo/checkpoints/ckpt-000000023.pt", "step": 23}, 3)
         # 'eval of runs/demo/checkpoints/ckpt-000000023.pt (step 23) on 3 processes: loss ...'
     """
-    scores = [f"{k[5:]} {v:.2f}%" for k, v in m.items() if k.startswith("eval/top")]
-    others = [f"{k[5:]} {v:.4g}" for k, v in m.items() if k.startswith("eval/")
-              and k[5:] not in ("loss", "count") and not k.startswith("eval/top")]
     where = f"{processes} process{'es' if processes != 1 else ''}"
     loss = f"loss {m['eval/loss']:.4f}" if "eval/loss" in m else "no loss"
     return "  ".join([f"eval of {m['checkpoint']} (step {m['step']}) on {where}: {loss}",
-                      *scores, *others, f"({m.get('eval/count', 0)} targets)"])
+                      *format_scores(m), f"({m.get('eval/count', 0)} targets)"])

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..faults import stall
+from ..faults.nativelog import quiet_native_warnings
 from . import watchdog
 
 __all__ = ["StackAnswers", "worker_environments"]
@@ -82,12 +83,16 @@ class StackAnswers:
                     continue
                 env = next(iter(workers.values()))
                 now = (env["MASTER_ADDR"], int(env["MASTER_PORT"]), stall.store_prefix(env))
-                if now != where:  # a new attempt of the job (a restart): its own store
-                    if not _listening(now[0], now[1]):  # rank 0 has not opened it yet: a
-                        continue                        # client would retry aloud
-                    store, seen, where = _connect(*now), 0, now
-                seen = stall.answer_stack_asks(store, host, seen, int(env.get("WORLD_SIZE", 1)),
-                                               self._read or _py_spy, mine=set(workers))
+                if now != where and not _listening(now[0], now[1]):  # a new attempt of the
+                    continue  # job (a restart) whose rank 0 has not opened its store yet
+                # torch's client prints its native stack for a store gone with its rank (or
+                # gone between the look and the connect) before it raises: next time
+                with quiet_native_warnings():
+                    if now != where:
+                        store, seen, where = _connect(*now), 0, now
+                    seen = stall.answer_stack_asks(store, host, seen,
+                                                   int(env.get("WORLD_SIZE", 1)),
+                                                   self._read or _py_spy, mine=set(workers))
             except Exception:  # noqa: BLE001 - the store not up yet, or gone: next time
                 where = None
 
