@@ -238,3 +238,37 @@ def test_saves_that_keep_waiting_for_the_write_before_them_are_said_once(tmp_pat
     assert len(said) == 1 and re.match(r"checkpoint: step 3 waited \d+\.\d s ", said[0]) and \
         said[0].endswith("for the previous background write (twice in a row): the writes take "
                          "longer than the time between saves; save less often"), said
+
+
+def test_an_fsdp_background_save_gathers_the_rng_of_the_step_and_writes_it_after_the_shards(
+        tmp_path):
+    """FSDP's async save gathers every rank's RNG in the background (the step does not wait
+    for the collective): what is written is the RNG at the save, whatever the step after it
+    draws, and it is gathered before the shards are waited for."""
+    import random
+
+    import numpy as np
+
+    from ddpkit.checkpoint.background import BackgroundSaver, gathered_rng
+    from ddpkit.seed import rng_state
+    written, order = {}, []
+
+    def write(state, directory, step, keep):
+        order.append("file")
+        written.update(state)
+        return directory / "ckpt.pt"
+    saver = BackgroundSaver(write=write, say=lambda line: None)
+    torch.manual_seed(3)
+    expected = rng_state()
+    first = gathered_rng(None, then=lambda: order.append("shards"))
+    go = threading.Event()
+    saver.start({"progress": {"step": 7}}, tmp_path, 7, keep=1,
+                first=lambda: (go.wait(30), first())[1])
+    torch.rand(5), random.random(), np.random.rand()  # the next step draws while it writes
+    go.set()
+    saver.finish()
+    assert order == ["shards", "file"] and written["progress"] == {"step": 7}
+    [got] = written["rng"]
+    assert torch.equal(got["torch"], expected["torch"]) and got["python"] == expected["python"]
+    assert torch.equal(got["numpy"][1], expected["numpy"][1])
+    assert got["numpy"][2:] == expected["numpy"][2:]

@@ -406,7 +406,7 @@ def test_a_full_disk_under_results_json_is_one_line_naming_what_is_safe(tmp_path
     from ddpkit.checkpoint.write import SaveError
     from ddpkit.job.config import TrainConfig
     from ddpkit.job.train import _report
-    from ddpkit.checkpoint.checkpointer import TrainState
+    from ddpkit.fitconfig import TrainState
     state = TrainState(1, 4, 90.0, 1, [{"epoch": 1, "train/loss": 0.5, "eval/top1": 90.0,
                                          "eval/count": 10}])
     for kept in (True, False):

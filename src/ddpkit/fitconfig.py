@@ -1,10 +1,11 @@
 """What ``fit`` is told: ``FitConfig`` (how to train), ``CheckpointPolicy`` (where and when to
-save, what to resume) and ``Hook`` (what to call along the way). ``ddpkit.loop`` runs them.
+save, what to resume) and ``Hook`` (what to call along the way); what it returns:
+``TrainState``. ``ddpkit.loop`` runs them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -13,7 +14,7 @@ from .errors import DDPKitError
 from .log import RunLogger
 from .precision import Precision
 
-__all__ = ["CheckpointPolicy", "FitConfig", "Hook"]
+__all__ = ["CheckpointPolicy", "FitConfig", "Hook", "TrainState"]
 
 
 @dataclass
@@ -102,3 +103,20 @@ class Hook:
     def on_step_end(self, loop: Any, metrics: Dict[str, float]) -> None: ...
     def on_epoch_end(self, loop: Any, metrics: Dict[str, float]) -> None: ...
     def on_fit_end(self, loop: Any) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """Progress of a :func:`ddpkit.fit` run: completed epochs, optimizer steps, best metric,
+    per-epoch history.
+
+    Example::
+
+        state = fit(...); print(state.best, state.history[-1])
+    """
+
+    epoch: int = 0
+    step: int = 0
+    best: Optional[float] = None
+    best_epoch: Optional[int] = None
+    history: List[Dict[str, float]] = field(default_factory=list)

@@ -22,9 +22,9 @@ from .data.loader import DistributedLoader
 from .errors import ConfigError, DDPKitError
 from .evaluate import perplexity
 from .log import RunLogger, format_epoch, progress_bar
-from .fitconfig import CheckpointPolicy, FitConfig, Hook
+from .fitconfig import CheckpointPolicy, FitConfig, Hook, TrainState
 from .precision import Precision
-from .checkpoint.checkpointer import Checkpointer, TrainState
+from .checkpoint.checkpointer import Checkpointer
 from .runtime import Runtime
 from .faults.stops import StopRequested
 

@@ -25,10 +25,13 @@ import torch
 
 from .. import comm
 from ..errors import DDPKitError
+from ..seed import rng_state
 from .names import checkpoint_name
 from .write import SaveError, state_bytes
 
-__all__ = ["Snapshot", "BackgroundSaver"]
+__all__ = ["Snapshot", "BackgroundSaver", "gathered_rng"]
+
+_PLAIN = (int, float, bool, str, bytes, type(None))
 
 
 class Snapshot:
@@ -74,6 +77,8 @@ class Snapshot:
         if isinstance(value, list):
             return [self._copy(item, copies, pending) for item in value]
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            if all(type(item) in _PLAIN for item in value):  # immutable (Python's RNG state)
+                return value
             return tuple(self._copy(item, copies, pending) for item in value)
         return copy.deepcopy(value)
 
@@ -135,7 +140,7 @@ class BackgroundSaver:
         """Snapshot ``state`` (rank 0) and write it in the background; every rank calls it
         after :meth:`finish`. ``first``: run in the background on every rank before rank 0
         writes the file (waiting for this rank's shards; ``staged``: their host copies, sized
-        once, for the memory line).
+        once, for the memory line); what it returns (a dict) joins the state written.
         Returns the checkpoint's path."""
         frozen = None
         if comm.is_main():
@@ -159,10 +164,9 @@ class BackgroundSaver:
     def _run(self, state: Optional[Dict[str, Any]], directory: Path, step: int, keep: int,
              first: Optional[Callable[[], None]]) -> None:
         try:
-            if first is not None:
-                first()
+            more = first() if first is not None else None
             if state is not None:
-                self._write(state, directory, step, keep)
+                self._write({**state, **(more or {})}, directory, step, keep)
         except BaseException as exc:  # noqa: BLE001 - told to every rank at the next question
             self._error = exc
         finally:
@@ -204,6 +208,30 @@ class BackgroundSaver:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def gathered_rng(group: Any, then: Callable[[], None]) -> Callable[[], Dict[str, Any]]:
+    """A ``first`` for :meth:`BackgroundSaver.start`: every rank's RNG state as it is now
+    (the step boundary), gathered in the background on ``group`` (a gloo group only this
+    thread uses; None alone), then ``then`` (waiting for this rank's shards). The step waits
+    for neither collective.
+
+    Example::
+
+        saver.start(state, directory, step, keep, first=gathered_rng(group, complete))
+    """
+    own = rng_state()
+
+    def first() -> Dict[str, Any]:
+        every = [own]
+        if group is not None:
+            import torch.distributed as dist
+
+            every = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, own, group=group)
+        then()
+        return {"rng": every}
+    return first
 
 
 def _mb(n: int) -> str:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 from torch import nn
 
 from .. import comm
-from .background import BackgroundSaver
+from .background import BackgroundSaver, gathered_rng
 from .files import (_save_on_main, checkpoint_metadata, checkpoint_name, load_checkpoint,
                     resolve_resume, save_checkpoint)
 from ..errors import ConfigError
@@ -30,30 +29,13 @@ from ..faults import stall
 from ..faults.stops import StopRequested, signal_name
 from ..wrap import unwrap
 
-__all__ = ["Checkpointer", "TrainState"]
+__all__ = ["Checkpointer"]
 
 _STOP_CALIBRATION = 20  # the optimizer step at which the ranks settle how often to ask
 # Names the checkpoint itself uses: extras cannot take them.
 _RESERVED = frozenset({"model", "optimizer", "scheduler", "precision", "scaler", "loader",
                        "progress", "rng", "world_size", "config", "meta", "sharded",
                        "extra_names"})
-
-
-@dataclass
-class TrainState:
-    """Progress of a :func:`ddpkit.fit` run: completed epochs, optimizer steps, best metric,
-    per-epoch history.
-
-    Example::
-
-        state = fit(...); print(state.best, state.history[-1])
-    """
-
-    epoch: int = 0
-    step: int = 0
-    best: Optional[float] = None
-    best_epoch: Optional[int] = None
-    history: List[Dict[str, float]] = field(default_factory=list)
 
 
 class Checkpointer:
@@ -123,7 +105,8 @@ class Checkpointer:
         #: asynchronous saves (None: each save writes before the step goes on)
         self.background = BackgroundSaver(_save_on_main) if async_save else None
         sharded = async_save and is_sharded(unwrap(model))  # DCP writes the shards: its own group
-        self._shard_writer = (async_group(), async_writer()) if sharded else None
+        # (DCP's group, its writer, a group to gather the RNG on): all used in the background
+        self._shard_writer = (async_group(), async_writer(), async_group()) if sharded else None
         self._waits = 0  # saves in a row that waited for the write before them
         if self.directory is not None:  # several nodes: every one must see the checkpoints
             check_shared(self.directory, rt.env.num_nodes)
@@ -307,17 +290,20 @@ class Checkpointer:
                         "than the time between saves; save less often")
         first = shards = None
         if self._shard_writer is not None:  # every rank copies its shards, DCP writes them
-            shards, first = start_shards(self.model, self.optimizer, directory,
-                                         self.global_step, *self._shard_writer)
+            group, writer, rng_group = self._shard_writer
+            shards, written = start_shards(self.model, self.optimizer, directory,
+                                           self.global_step, group, writer)
+            first = gathered_rng(rng_group, written)
         staged = self._shard_writer[1].host if self._shard_writer else None
-        path = self.background.start(self.state_dict(shards), directory, self.global_step,
-                                     self.keep, first, staged)
+        path = self.background.start(self.state_dict(shards, rng=first is None), directory,
+                                     self.global_step, self.keep, first, staged)
         return path if self.rt.is_main else None
 
-    def state_dict(self, shards: Optional[str] = None) -> Dict[str, Any]:
-        """Everything an exact resume needs, gathered on every rank (a collective: the RNG).
-        With ``shards`` (FSDP: :mod:`ddpkit.checkpoint.sharded` wrote model and optimizer) the checkpoint
-        names that directory instead of holding them."""
+    def state_dict(self, shards: Optional[str] = None, rng: bool = True) -> Dict[str, Any]:
+        """Everything an exact resume needs, gathered on every rank (a collective: the RNG;
+        without ``rng`` a background save gathers it). With ``shards`` (FSDP:
+        :mod:`ddpkit.checkpoint.sharded` wrote model and optimizer) the checkpoint names that
+        directory instead of holding them."""
         weights = {"sharded": shards} if shards else {
             "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
@@ -329,7 +315,7 @@ class Checkpointer:
         if isinstance(getattr(self.loader, "batch_size", None), int):  # said on another world size
             progress["global_batch"] = self.loader.batch_size * self.rt.world_size
         return {**weights, **parts, **extras, "loader": loader, "progress": progress,
-                "extra_names": sorted(extras), "rng": comm.gather_object(rng_state()),
+                "extra_names": sorted(extras), "rng": comm.gather_object(rng_state()) if rng else None,
                 "world_size": self.rt.world_size, "config": self.config,
                 "meta": checkpoint_metadata()}
 
