@@ -327,6 +327,36 @@ def test_the_json_report_is_strict_json_with_nan_losses():
 
 
 @pytest.mark.slow
+def test_runs_side_by_side_keep_their_order_and_a_ctrl_c_ends_every_one(tmp_path):
+    """verify's last three runs go at once: each outcome comes back in its place (an error as
+    an error), and a Ctrl-C while they run ends every run's processes before it is raised."""
+    import signal
+    import time
+
+    from ddpkit.verify.runs import _run, side_by_side
+
+    def fails():
+        raise ValueError("second")
+    [(first, none), (nothing, error)] = side_by_side([lambda: "first", fails])
+    assert (first, none, nothing, str(error)) == ("first", None, None, "second")
+
+    sleeper = tmp_path / "sleeps.py"
+    sleeper.write_text(f"import os, time\nopen(r'{tmp_path}/pid', 'w').write(str(os.getpid()))\n"
+                       "time.sleep(600)\n")
+
+    def ctrl_c():  # the user's, once the first run is up: Python raises it in the main thread
+        while not (tmp_path / "pid").exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        side_by_side([lambda: _run([sys.executable, str(sleeper)], dict(os.environ), 600,
+                                   "sleeps"), ctrl_c])
+    assert time.monotonic() - began < 60
+    with pytest.raises(ProcessLookupError):  # gone with the interrupt, not after 600 s
+        os.kill(int((tmp_path / "pid").read_text()), 0)
+
+
 def test_a_run_that_hangs_is_stopped_with_its_ranks_and_one_line(tmp_path):
     from ddpkit.errors import ConfigError
 

@@ -1,6 +1,7 @@
 """Running the user's unchanged script for ``ddpkit verify``: on 1 process (twice, and once with
 every batch reversed) and on N, each as ``ddpkit run`` runs it (a free port, the cores split),
-with ``ddpkit.setup()`` recording every optimizer step (``ddpkit.verify.probe``).
+with ``ddpkit.setup()`` recording every optimizer step (``ddpkit.verify.probe``). The first
+1-process run sets the limits; the other three are independent and run side by side.
 """
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Optional, Sequence, Tuple
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..observe import OBSERVER_VAR
@@ -18,14 +21,16 @@ from .probe import ACCUM_VAR, EVAL_VAR, ORDER_VAR, STEPS_VAR, VERIFY_VAR
 from .compare import Verdict, compare
 from .records import RunRecord, load
 
-__all__ = ["verify", "run_script", "PLAN"]
+__all__ = ["verify", "run_script", "side_by_side", "PLAN"]
 
-#: The runs, in the order they are made: name, processes, batches reversed.
+#: The runs, in the order their outcomes are read: name, processes, batches reversed.
 PLAN = (("one", 1, False), ("many", None, False), ("reordered", 1, True), ("again", 1, False))
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 # DDP's own words when a parameter got no gradient on some rank
 _UNUSED = ("Expected to have finished reduction", "did not receive grad")
+_LIVE: set = set()  # the runs' processes now running (a Ctrl-C ends every one)
+_LIVE_LOCK = threading.Lock()
 
 
 class Diverged(Exception):
@@ -97,20 +102,56 @@ def _run(command: list, env: dict, timeout: Optional[float],
     and its ranks) and say so in one line."""
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+    with _LIVE_LOCK:
+        _LIVE.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill(proc)
         proc.communicate()
         raise RunFailed(f"{what} ran past {timeout:g} s without recording its steps: does it "
                         "wait for input or hang? Run it with ddpkit run to see",
                         f"still running after {timeout:g} s", hung=True) from None
     except BaseException:  # Ctrl-C: the runs go with verify
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill(proc)
         raise
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.discard(proc)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # its session: a launcher and its ranks
+
+
+def side_by_side(runs: Sequence[Callable[[], Any]]) -> List[Tuple[Any, Optional[BaseException]]]:
+    """Each of ``runs`` in a thread of its own, at once; (result, None) or (None, its error) for
+    each, in order. A Ctrl-C (or any error here) ends every run's processes, then raises.
+
+    Example::
+
+        [(many, _), (again, error)] = side_by_side([lambda: run("many"), lambda: run("again")])
+    """
+    def caught(run: Callable[[], Any]) -> Tuple[Any, Optional[BaseException]]:
+        try:
+            return run(), None
+        except Exception as exc:  # noqa: BLE001 - read in order by the caller
+            return None, exc
+    pool = ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="ddpkit-verify-run")
+    try:
+        futures = [pool.submit(caught, run) for run in runs]
+        for done in as_completed(futures):
+            done.result()  # a BaseException in a run (not its error): at once, not in turn
+        return [f.result() for f in futures]
+    except BaseException:
+        with _LIVE_LOCK:
+            for proc in list(_LIVE):
+                _kill(proc)
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 def _failed(script: str, nproc: int, stderr: str, record: RunRecord) -> str:
@@ -196,15 +237,18 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
         raise ConfigError(f"--eval-within must be >= 0 steps, got {eval_within}")
     records = {}
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-", dir=workdir) as tmp:
+        def run(name: str, n: Optional[int], reverse: bool) -> RunRecord:
+            return run_script(script, args, n or nproc, steps, os.path.join(tmp, name), reverse,
+                              timeout, whole_epoch=name == "one", accum=accum, nproc_many=nproc,
+                              eval_within=eval_within if name in ("one", "many") else 0)
         try:
-            for name, n, reverse in PLAN:
-                records[name] = run_script(script, args, n or nproc, steps,
-                                           os.path.join(tmp, name), reverse, timeout,
-                                           whole_epoch=name == "one", accum=accum,
-                                           nproc_many=nproc, eval_within=eval_within
-                                           if name in ("one", "many") else 0)
-                if name == "one":
-                    _check_divides(records["one"], nproc)
+            records["one"] = run(*PLAN[0])
+            _check_divides(records["one"], nproc)
+            rest = side_by_side([lambda plan=plan: run(*plan) for plan in PLAN[1:]])
+            for (name, _, _), (record, error) in zip(PLAN[1:], rest):
+                if error is not None:  # the first in PLAN's order, as if run one by one
+                    raise error
+                records[name] = record
         except Diverged as exc:
             return Verdict(passed=False, steps=[], largest=None, cause=exc.cause, why=exc.why,
                            evidence=exc.evidence)
