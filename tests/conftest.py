@@ -1,6 +1,8 @@
-"""Shared fixtures: fail a test that leaks launcher variables or a process group; keep the suite
-hermetic on GPU machines (every test runs on CPU + gloo unless it is marked ``gpu``)."""
+"""Shared fixtures: fail a test that leaks launcher variables or a process group; put back the
+signal handlers a test changed; keep the suite hermetic on GPU machines (every test runs on CPU +
+gloo unless it is marked ``gpu``)."""
 import os
+import signal
 
 import pytest
 import torch
@@ -20,6 +22,22 @@ def no_leaks():
     after = {k: os.environ.get(k) for k in LAUNCH_VARS}
     assert before == after, f"test leaked launcher variables: {before} -> {after}"
     assert not tdist.is_initialized(), "test left a process group behind"
+
+
+HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT",
+                                                  "SIGUSR1") if hasattr(signal, name))
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored():
+    """torchrun's agent run in-process (``ddpkit.job.start.start``) installs its own handlers
+    (SIGINT raises its SignalException, not KeyboardInterrupt) and leaves them: the tests after
+    it get Python's own again."""
+    before = {s: signal.getsignal(s) for s in HANDLED}
+    yield
+    for s, handler in before.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
 
 
 @pytest.fixture(autouse=True)
