@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import glob
 import os
 import threading
 from typing import Any, Dict, Iterator, Optional
@@ -31,11 +30,9 @@ def _level_flag() -> Optional[ctypes.c_int]:
             import torch
 
             lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-            for path in sorted(glob.glob(os.path.join(lib_dir, "*c10.*"))):
-                if os.path.basename(path) in ("libc10.so", "libc10.dylib", "c10.dll"):
-                    _STATE["flag"] = ctypes.c_int.in_dll(ctypes.CDLL(path),
-                                                         "FLAGS_caffe2_log_level")
-                    break
+            path = next(p for p in (os.path.join(lib_dir, name) for name in
+                                    ("libc10.so", "libc10.dylib", "c10.dll")) if os.path.exists(p))
+            _STATE["flag"] = ctypes.c_int.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_log_level")
     return _STATE["flag"]
 
 
