@@ -15,6 +15,7 @@ failure, timeout or KeyboardInterrupt; namespaces left by a killed run are swept
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import re
@@ -365,19 +366,37 @@ class Cluster:
         return "\n".join(f"--- node {i}:\n" + "\n".join(self.output(i).splitlines()[-lines:])
                          for i in sorted(self.procs))
 
-    def kill(self, node: int, sig: int = signal.SIGKILL) -> None:
+    def kill(self, node: int, sig: int = signal.SIGKILL, timeout: float = 30.0) -> None:
         """Send ``sig`` to every process in ``node`` (launcher and the workers it started in
-        their own sessions): a machine that dies."""
-        for pid in _ns_pids(self.ns(node)):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        their own sessions): a machine that dies.
+
+        SIGKILL returns once the node has no process left and the command started in it has
+        been reaped (a signal is only queued by ``kill(2)``, and a process forked while the
+        node's processes were listed would have missed it); :class:`TimeoutError` past
+        ``timeout`` s. Other signals return at once.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = _ns_pids(self.ns(node))
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            proc = self.procs.get(node)
+            if sig != signal.SIGKILL or (not pids and (proc is None or proc.poll() is not None)):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node} still has processes {timeout:.0f} s after "
+                                   f"SIGKILL\n{self.ps()}")
+            time.sleep(0.05)
 
     def kill_all(self) -> None:
-        """SIGKILL every process in every node."""
+        """SIGKILL every process in every node (best effort: a node that outlives it is left
+        for :meth:`close`)."""
         for i in range(self.nodes):
-            self.kill(i)
+            with contextlib.suppress(TimeoutError):
+                self.kill(i, timeout=10)
 
     # ------------------------------------------------------------------ links
     def link_down(self, node: int) -> None:
