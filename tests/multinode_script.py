@@ -43,14 +43,19 @@ def rounds(out: str) -> dict:
     """
     runs = {}
     for path in glob.glob(os.path.join(str(out), "ledger-r0-a*-w*.jsonl")):
-        records = []
-        for line in open(path):
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # the line the job is writing right now
-                break
-        runs[int(re.search(r"-a(\d+)-w", path).group(1))] = records
+        runs[int(re.search(r"-a(\d+)-w", path).group(1))] = ledger_records(path)
     return dict(sorted(runs.items()))
+
+
+def ledger_records(path: str) -> list:
+    """One ledger file's records; a line still being written is left out."""
+    records = []
+    for line in open(path):
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # the line the job is writing right now
+            break
+    return records
 
 
 class Slow(Hook):

@@ -6,7 +6,6 @@ Needs root (as CI has); skips with the reason otherwise. The failure scenarios r
 one fixture, each in its own cluster, so the file stays within about three minutes.
 """
 import glob
-import json
 import os
 import re
 import shutil
@@ -22,6 +21,7 @@ import torch
 from ddpkit.launchers import watchdog
 
 import resume_script
+from multinode_script import ledger_records
 from netns import Cluster, available, wait_for
 from test_resume import assert_bitwise_equal, assert_every_sample_once
 
@@ -316,12 +316,7 @@ def _rank0_rounds(out):
     found = []
     for path in glob.glob(os.path.join(out, "ledger-r0-a*-w*.jsonl")):
         m = re.search(r"-a(\d+)-w(\d+)\.jsonl$", path)
-        records = []
-        for line in open(path):
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # the line the job is writing right now
-                break
+        records = ledger_records(path)
         if records:  # records[0]: the start line, with the time the round began
             found.append((records[0]["t"], path, int(m.group(1)), int(m.group(2)), records))
     return [f[1:] for f in sorted(found)]
