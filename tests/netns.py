@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -360,6 +361,37 @@ class Cluster:
                     continue
                 rows.append(f"node {i} pid {pid} {state} {cmd[:160]}")
         return "--- processes:\n" + "\n".join(rows)
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:
+        """:func:`wait_for`, and past ``timeout`` s a :class:`TimeoutError` that also holds every
+        node's last lines, processes and Python stacks: what the cluster was doing instead.
+
+        Example::
+
+            c.wait_for(lambda: "joined" in c.output(0), 60, "the group")
+        """
+        try:
+            wait_for(predicate, timeout, what)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.tails(30)}\n{self.ps()}\n{self.stacks()}") from None
+
+    def stacks(self) -> str:
+        """The Python stack of every thread of every process in every node (``py-spy dump``),
+        for diagnostics; says so where py-spy is missing or cannot read a process."""
+        spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        if not os.path.exists(spy):
+            return "--- stacks: py-spy is not installed"
+        dumps = []
+        for i in range(self.nodes):
+            for pid in _ns_pids(self.ns(i)):
+                try:
+                    res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True,
+                                         text=True, timeout=30)
+                    text = (res.stdout or res.stderr).strip()
+                except (OSError, subprocess.TimeoutExpired) as exc:
+                    text = f"py-spy: {exc}"
+                dumps.append(f"--- node {i} pid {pid}:\n{text}")
+        return "\n".join(dumps)
 
     def tails(self, lines: int = 15) -> str:
         """The last lines of every node's output, for assertion messages."""

@@ -106,6 +106,20 @@ def test_harness_cleans_up_after_an_error_and_a_timeout(tmp_path):
         os.kill(pid, 0)
 
 
+
+def test_harness_wait_that_times_out_says_what_each_node_was_doing(tmp_path):
+    with Cluster(1, workdir=tmp_path) as c:
+        c.start(0, [PY, "-c", "import time\ndef waiting_here():\n    time.sleep(120)\n"
+                              "print('up', flush=True)\nwaiting_here()"])
+        wait_for(lambda: "up" in c.output(0), 60, "the node's first line")
+        with pytest.raises(TimeoutError) as err:
+            c.wait_for(lambda: False, 0.5, "something that never happens")
+    said = str(err.value)
+    assert said.startswith("something that never happens did not happen within 0.5 s")
+    assert "--- node 0:\nup" in said  # its output
+    assert re.search(r"node 0 pid \d+ \w .* -c import time", said)  # its processes
+    assert "waiting_here" in said  # its Python stack (py-spy)
+
 # ----------------------------------------------------------------------------- equivalence
 
 @pytest.fixture(scope="module")
@@ -157,10 +171,10 @@ def test_link_down_then_up_restarts_from_the_latest_checkpoint(tmp_path, referen
     with Cluster(2, workdir=tmp_path / "nodes", hostnames=False) as c:
         for i in range(2):
             c.start(i, RUN + node_args(c, extra=["--max-restarts", "1"]) + job, cwd=ROOT)
-        wait_for(lambda: ledger_lines(shared) >= 8, 150, "8 training steps")
+        c.wait_for(lambda: ledger_lines(shared) >= 8, 150, "8 training steps")
         cut = time.monotonic()
         c.link_down(1)
-        wait_for(lambda: all(c.first(i, f"Timed out waiting {TIMEOUT_S}000ms") for i in (0, 1)),
+        c.wait_for(lambda: all(c.first(i, f"Timed out waiting {TIMEOUT_S}000ms") for i in (0, 1)),
                  TIMEOUT_S + 30, "a collective timeout on both nodes")
         for i in (0, 1):
             assert c.first(i, f"Timed out waiting {TIMEOUT_S}000ms") - cut < TIMEOUT_S + 20
@@ -184,7 +198,7 @@ def _partition(tmp):
     with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
         for i in range(2):
             c.start(i, RUN + node_args(c) + job, cwd=ROOT)
-        wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
+        c.wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
         cut = time.monotonic()
         c.link_down(1)
         return _finish(c, 120, cut=cut)
@@ -197,7 +211,7 @@ def _train_slowly(c, tmp):
     job = [SLOW_JOB, "--out", out, "--timeout-s", "60", "--step-sleep", "0.3"]
     for i in range(2):
         c.start(i, RUN + node_args(c) + job, cwd=ROOT)
-    wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
+    c.wait_for(lambda: ledger_lines(out) >= 8, 150, "8 training steps")
 
 
 def _kill(tmp):
@@ -221,7 +235,7 @@ def _kill_launcher(tmp):
         assert workers, "node 1's launcher has no worker"
         cut = time.monotonic()
         os.kill(launcher, signal.SIGKILL)
-        wait_for(lambda: all(not _running(pid) for pid in workers), 15, "node 1's worker exiting")
+        c.wait_for(lambda: all(not _running(pid) for pid in workers), 15, "node 1's worker exiting")
         gone = time.monotonic() - cut
         return dict(_finish(c, 90, cut=cut, nodes=[0]), worker_gone_after=gone)
 
@@ -275,7 +289,7 @@ def _late(delay, rdzv_timeout):
                 c.start(i, RUN + node_args(c, extra=["--rdzv-timeout", str(rdzv_timeout)])
                         + [RESUME, "--out", outs[i]], cwd=ROOT)
                 if i == 0 and delay is None:
-                    wait_for(lambda: c.procs[0].poll() is not None, 120, "node 0 giving up")
+                    c.wait_for(lambda: c.procs[0].poll() is not None, 120, "node 0 giving up")
                 elif i == 0:
                     time.sleep(delay)
             return _finish(c, 150, cut=start)
@@ -331,13 +345,13 @@ def _shrink_and_grow(tmp):
     with Cluster(3, workdir=os.path.join(tmp, "nodes")) as c:
         for i in range(3):
             c.start(i, elastic_run(c, out), cwd=ROOT)
-        wait_for(lambda: ledger_lines(out) >= 6 and any(  # the start line and 2 steps
+        c.wait_for(lambda: ledger_lines(out) >= 6 and any(  # the start line and 2 steps
             w == 3 and len(recs) >= 3 for _, _, w, recs in _rank0_rounds(out)), 150,
                  "2 steps on 3 nodes")
         before = {path for path, *_ in _rank0_rounds(out)}
         killed = time.time()
         c.kill(2)
-        wait_for(lambda: any(w == 2 and path not in before
+        c.wait_for(lambda: any(w == 2 and path not in before
                              for path, _, w, _ in _rank0_rounds(out)), 90,
                  "the job going on with 2 nodes")
         restarted = time.time()
@@ -354,7 +368,7 @@ def _too_few(tmp):
     with Cluster(2, workdir=os.path.join(tmp, "nodes")) as c:
         for i in range(2):
             c.start(i, elastic_run(c, out, extra=["--rdzv-timeout", "15"]), cwd=ROOT)
-        wait_for(lambda: ledger_lines(out) >= 5, 150, "5 training steps")
+        c.wait_for(lambda: ledger_lines(out) >= 5, 150, "5 training steps")
         c.kill(1)
         codes = c.wait(timeout=90, nodes=[0])
         return {"codes": codes, "out": [c.output(0)], "dir": out,
@@ -384,9 +398,9 @@ def _stall(fault):
                 c.start(i, RUN + node_args(c, 3, ["--timeout", "20"])
                         + [STALL_JOB, "--fault", fault, "--rank", "2", "--at", "30",
                            "--out", tmp], cwd=ROOT)
-            wait_for(lambda: "fault at" in c.output(2), 150, "the fault")
+            c.wait_for(lambda: "fault at" in c.output(2), 150, "the fault")
             began = float(re.search(r"fault at ([\d.]+)", c.output(2)).group(1))
-            wait_for(lambda: " is stuck: " in c.output(0), 60, "the stall report on node 0")
+            c.wait_for(lambda: " is stuck: " in c.output(0), 60, "the stall report on node 0")
             named = time.time() - began
             result = _finish(c, 90, cut=time.monotonic(), nodes=[0])
             result.update(named_after=named, host=c.hostname(2))
