@@ -62,7 +62,52 @@ def test_die_with_launcher_is_a_no_op_for_other_launchers():
     from ddpkit.faults.crash import die_with_launcher
 
     assert not die_with_launcher({})
-    assert not die_with_launcher({"DDPKIT_LAUNCHER_PID": str(os.getppid() + 1)})
+    # a process a worker started: its launcher runs, but is not its parent
+    assert not die_with_launcher({"DDPKIT_LAUNCHER_PID": str(os.getpid())})
+
+
+LATE_WORKER = """import os, sys, time
+launcher = sys.argv[2]  # as ddpkit run passes its pid: set before the worker starts
+while not os.path.exists(sys.argv[1]):  # still importing torch, say, when the launcher dies
+    time.sleep(0.05)
+from ddpkit.faults.crash import die_with_launcher
+armed = die_with_launcher({"DDPKIT_LAUNCHER_PID": launcher})
+open(sys.argv[1] + ".ran", "w").write(str(armed))
+time.sleep(60)
+"""
+LATE_LAUNCHER = """import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], str(os.getpid())],
+                         start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=open(sys.argv[2] + ".err", "w"))
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_a_worker_whose_launcher_died_before_it_armed_stops_with_one_line(tmp_path):
+    """The launcher is killed while its worker is still starting up: the worker stops at
+    setup instead of running the script on with nobody to stop it (a verify run past its
+    timeout kept the script's output open for its 600 s sleep)."""
+    gate = tmp_path / "gate"
+    launcher = subprocess.Popen([sys.executable, "-c", LATE_LAUNCHER, LATE_WORKER, str(gate)],
+                                stdout=subprocess.PIPE, text=True)
+    worker = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait()
+    launcher.stdout.close()
+    try:
+        gate.write_text("")
+        deadline = time.monotonic() + 60
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker), "the worker ran on without its launcher"
+        assert not os.path.exists(f"{gate}.ran")
+        said = (tmp_path / "gate.err").read_text()
+        assert said == f"ddpkit: this worker's launcher (pid {launcher.pid}) is gone; stopping\n"
+    finally:
+        if _alive(worker):
+            os.kill(worker, 9)
 
 
 # ----------------------------------------------------------------------------- collective timeouts

@@ -159,13 +159,26 @@ LAUNCHER_PID_VAR = "DDPKIT_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+def _started_at(pid: int | str) -> Optional[int]:
+    """When ``pid`` started (clock ticks since boot, /proc), or None: gone, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and ')'
+    except OSError:
+        return None
+    return None if fields[0] in "ZX" else int(fields[19])
+
+
 def die_with_launcher(environ: Optional[dict] = None, sig: int = signal.SIGKILL) -> bool:
     """In a worker of ``ddpkit run``: have the kernel send ``sig`` when the launcher dies.
 
     torchrun starts workers in their own session, so a killed launcher (``kill -9``, OOM
     killer) leaves them running: on several nodes the job then fails only after torchrun's
     300 s exit barrier. Applies only when ``DDPKIT_LAUNCHER_PID`` (set by ``ddpkit run``) is
-    this process's parent; a no-op returning False elsewhere (other launchers, not Linux).
+    this process's parent; a no-op returning False elsewhere (other launchers, a process a
+    worker started, not Linux). A worker whose launcher died before this call (while the
+    worker was still importing, say) gets ``sig`` at once: it would run on with nobody to stop
+    it, holding its launcher's output open.
 
     Example::
 
@@ -176,6 +189,13 @@ def die_with_launcher(environ: Optional[dict] = None, sig: int = signal.SIGKILL)
     if not sys.platform.startswith("linux") or not launcher.isdigit():
         return False
     if os.getppid() != int(launcher):
+        began, mine = _started_at(launcher), _started_at(os.getpid())
+        if began is None or (mine is not None and began > mine):  # gone (or its pid reused)
+            with contextlib.suppress(OSError, ValueError):  # its output may be gone too
+                sys.stderr.write(f"ddpkit: this worker's launcher (pid {launcher}) is gone; "
+                                 "stopping\n")
+                sys.stderr.flush()
+            os.kill(os.getpid(), sig)
         return False  # started by something else (e.g. a grandchild of the launcher)
     try:
         import ctypes
