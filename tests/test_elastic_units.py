@@ -95,7 +95,7 @@ def test_too_few_nodes_names_the_ones_that_did_not_come_back():
 
 
 class _Store:
-    """A stand-in for a rendezvous round's store (set, wait, get)."""
+    """A stand-in for a rendezvous round's store (set, check, get)."""
 
     def __init__(self, preset):
         self.data = {k: json.dumps(v).encode() for k, v in preset.items()}
@@ -103,8 +103,9 @@ class _Store:
     def set(self, key, value):
         self.data[key] = value.encode()
 
-    def wait(self, keys, timeout):
-        assert all(k in self.data for k in keys)
+    def check(self, keys):
+        assert all(k in self.data for k in keys)  # the rounds above are complete
+        return True
 
     def get(self, key):
         return self.data[key]
@@ -143,6 +144,98 @@ def test_each_round_the_first_node_says_how_membership_changed(monkeypatch, caps
         # the newcomer d (rank 0) knows nothing; a, the first with a past group, says it
         "ddpkit run: node b left; node d joined; 2 nodes go on (d, a) of --nnodes 2:3"]
 
+
+def _store_server():
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+
+
+def test_waiting_for_the_members_names_leaves_the_rendezvous_client_free():
+    """The round's store shares its TCP client with the rendezvous heartbeats: while a name is
+    missing, another request on that client is answered at once (a store.wait held it for
+    the whole wait, and the node's heartbeats stopped)."""
+    import threading
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    server = _store_server()
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+    group = SimpleNamespace(store=PrefixStore("round0", client), group_rank=0, group_world_size=2)
+    said = []
+    naming = threading.Thread(target=lambda: said.append(elastic._members(group, "a", None, 60)))
+    naming.start()
+    time.sleep(1.0)  # the wait for node b's name is on
+    began = time.monotonic()
+    client.set("heartbeat", "now")  # the rendezvous' own request
+    took = time.monotonic() - began
+    PrefixStore("round0", server).set("ddpkit/member/1", json.dumps(["b", None]))
+    naming.join(30)
+    assert said == [[["a", None], ["b", None]]]
+    assert took < 2.0, f"a request on the rendezvous client waited {took:.1f} s"
+
+
+def test_a_stranded_node_counts_as_waiting_and_the_group_takes_it_in(monkeypatch):
+    """Nodes a and b train in round 0; both stop heartbeating for a while (a loaded machine),
+    so the rendezvous drops them; node c, arriving then, opens round 1 alone, in no wait list.
+    torchrun's count of waiting nodes stays 0 and c would wait out its join timeout; counted
+    as waiting, the group restarts and the next round has all three."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler, RendezvousTimeout)
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as ddpkit run sets it
+    server = _store_server()
+
+    def node(name):
+        store = TCPStore("127.0.0.1", server.port, is_master=False, multi_tenant=True,
+                         timeout=timedelta(seconds=30))
+        return DynamicRendezvousHandler.from_backend(
+            "job", store, C10dRendezvousBackend(store, "job"), 2, 3, local_addr=name,
+            timeout=RendezvousTimeout(join=timedelta(seconds=60),
+                                      last_call=timedelta(seconds=1)),
+            keep_alive_interval=1, keep_alive_max_attempt=2)
+
+    def join_all(nodes):
+        sizes = {}
+        threads = [threading.Thread(target=lambda n=n: sizes.update(
+            {n: n.next_rendezvous().world_size})) for n in nodes]
+        for t in threads:
+            t.start()
+        return threads, sizes
+
+    a, b, c = node("a"), node("b"), node("c")
+    plain = DynamicRendezvousHandler.num_nodes_waiting
+    with elastic.counting_stranded_nodes():
+        threads, sizes = join_all([a, b])
+        for t in threads:
+            t.join(60)
+        assert sizes == {a: 2, b: 2}
+        a._stop_heartbeats(), b._stop_heartbeats()  # starved: no heartbeat for > 2 x 1 s
+        time.sleep(3)
+        late, joined = join_all([c])
+        deadline = time.monotonic() + 30
+        while a.num_nodes_waiting() == 0:
+            assert time.monotonic() < deadline, "node c was never seen"
+            time.sleep(0.2)
+        state = a._state_holder.state
+        assert (state.round, state.complete, len(state.wait_list)) == (1, False, 0)
+        assert plain(a) == 0 and a.num_nodes_waiting() == 1  # torchrun's count misses it
+        threads, sizes = join_all([a, b])  # the group restarts
+        for t in threads + late:
+            t.join(60)
+        assert {**sizes, **joined} == {a: 3, b: 3, c: 3}
+        for n in (a, b, c):
+            n.shutdown()
+    assert DynamicRendezvousHandler.num_nodes_waiting is plain  # put back
 
 # gloo's words for a lost peer: it closed its socket; its host reset the connection (a killed
 # node: the survivors see this one); the same over IPv6.

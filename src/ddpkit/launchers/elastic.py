@@ -5,6 +5,7 @@ torchrun's c10d rendezvous changes membership but only logs it at INFO (quiet in
 run``). After each rendezvous round every node's agent writes its name into that round's store
 and reads the others'; the node with group rank 0 compares them with the previous round's.
 The workers then resume from the newest checkpoint at the new world size (:mod:`ddpkit.checkpoint.checkpointer`).
+Also a node left alone in a newer round (:func:`stranded`) counts as waiting to join.
 """
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import json
 import socket
 import sys
 import threading
-from datetime import timedelta
+import time
 from types import SimpleNamespace
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["membership_line", "missing_line", "tracking_members", "Members", "MEMBER_KEY"]
+__all__ = ["membership_line", "missing_line", "tracking_members", "counting_stranded_nodes",
+           "stranded", "Members", "MEMBER_KEY"]
 
 #: Each node's name in a rendezvous round's store: ``ddpkit/member/<group rank>``.
 MEMBER_KEY = "ddpkit/member/"
 _READ_TIMEOUT_S = 120.0
+_POLL_S = 0.25
 
 
 def membership_line(before: Optional[Sequence[str]], now: Sequence[str], spec: str) -> str:
@@ -77,12 +80,23 @@ def _node_name(local_addr: Optional[str]) -> str:
     return f"{host} ({local_addr})" if local_addr and local_addr != host else host
 
 
-def _members(group: Any, me: str, before: Optional[List[str]]) -> List[Any]:
-    """Every node's (name, previous group) in this round, by group rank."""
+def _members(group: Any, me: str, before: Optional[List[str]],
+             timeout: float = _READ_TIMEOUT_S) -> List[Any]:
+    """Every node's (name, previous group) in this round, by group rank.
+
+    Polled, never one long ``store.wait``: the round's store shares its TCP client with the
+    rendezvous, which takes one request at a time, and a wait held it for as long as the last
+    name took to come; the node's heartbeats queued behind it, so on a loaded machine its
+    peers took it for dead and dropped it from the rendezvous (a node that came later was
+    then left alone in a round of its own, unseen)."""
     store = group.store
     store.set(f"{MEMBER_KEY}{group.group_rank}", json.dumps([me, before]))
     keys = [f"{MEMBER_KEY}{r}" for r in range(group.group_world_size)]
-    store.wait(keys, timedelta(seconds=_READ_TIMEOUT_S))
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every node named itself within {timeout:.0f} s")
+        time.sleep(_POLL_S)
     return [json.loads(store.get(key).decode()) for key in keys]
 
 
@@ -144,3 +158,63 @@ def tracking_members(spec: str, local_addr: Optional[str] = None) -> Iterator[Me
         SimpleElasticAgent._rendezvous = original
         if naming[0] is not None:
             naming[0].join(timeout=2.0)  # long done in a real job; a test's rounds come fast
+
+
+def stranded(state: Any, joined: Optional[int]) -> int:
+    """Nodes gathered in an open rendezvous round newer than the one this node joined
+    (``joined``): nodes the group does not see waiting, though they wait for it.
+
+    torchrun's c10d rendezvous drops a node whose heartbeats stop for a while (3 missed) from
+    the round's participants and wait list. If every member of a running group was dropped
+    so (a loaded machine, a store call that held the client), the round counts as empty and a
+    node arriving then opens the next round alone: it is in no wait list, so the group's
+    ``num_nodes_waiting`` stays 0 and the node waits out its join timeout, silent.
+
+    Example::
+
+        stranded(state, joined=0)   # 1: round 1 is open with one node in it
+    """
+    if joined is None or state is None or getattr(state, "complete", True):
+        return 0
+    if getattr(state, "round", -1) <= joined:
+        return 0
+    return len(getattr(state, "participants", ()) or ())
+
+
+@contextlib.contextmanager
+def counting_stranded_nodes() -> Iterator[None]:
+    """While torchrun's agent runs here: nodes gathered in a newer open round count as nodes
+    waiting to join (:func:`stranded`), so the group restarts and takes them in, as it does
+    for a node in the wait list.
+
+    Example::
+
+        with counting_stranded_nodes():
+            torchrun(args)
+    """
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import \
+            DynamicRendezvousHandler as Handler
+        joining, waiting = Handler.next_rendezvous, Handler.num_nodes_waiting
+    except (ImportError, AttributeError):  # another torch: as torchrun does
+        yield
+        return
+
+    def next_rendezvous(handler: Any) -> Any:
+        info = joining(handler)
+        with contextlib.suppress(AttributeError):
+            handler._ddpkit_round = handler._state_holder.state.round
+        return info
+
+    def num_nodes_waiting(handler: Any) -> int:
+        count = waiting(handler)  # synced the state (or served it from its 1 s cache)
+        if count:
+            return count
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        return stranded(state, getattr(handler, "_ddpkit_round", None))
+
+    Handler.next_rendezvous, Handler.num_nodes_waiting = next_rendezvous, num_nodes_waiting
+    try:
+        yield
+    finally:
+        Handler.next_rendezvous, Handler.num_nodes_waiting = joining, waiting

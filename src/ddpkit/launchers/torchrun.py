@@ -319,7 +319,9 @@ def run(cfg: RunConfig) -> int:
     try:
         tracking = (elastic.tracking_members(cfg.nnodes_spec, plan.local_addr) if cfg.elastic
                     else contextlib.nullcontext())
-        with _guard(cfg, plan.is_host), restarts.naming_restarts(), tracking as members:
+        stranded = elastic.counting_stranded_nodes() if cfg.elastic else contextlib.nullcontext()
+        with _guard(cfg, plan.is_host), restarts.naming_restarts(), tracking as members, \
+                stranded:
             torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
     except SignalException as exc:  # the agent stopped every worker with this signal first
         watchdog.stop_lost_workers(before)  # those it was starting when the signal came
