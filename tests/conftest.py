@@ -27,6 +27,12 @@ def no_leaks():
 HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT",
                                                   "SIGUSR1") if hasattr(signal, name))
 
+# A suite started as a background job of a script (`make test &`, nohup) inherits SIGINT
+# ignored, and every process a test starts would too: the Ctrl-C tests would test nothing
+# (5 failed so). They test ddpkit's handling of a Ctrl-C, so the suite takes SIGINT back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(autouse=True)
 def signal_handlers_restored():
