@@ -274,8 +274,12 @@ def test_a_worker_interrupted_before_setup_leaves_quietly(tmp_path):
         except OSError:
             pass
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=60)
+    try:
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # blocked on the FIFO for good if the signal did not end it
+        proc.wait()
     assert proc.returncode == 130 and err == "", err[-2000:]
 
 
