@@ -106,7 +106,6 @@ def test_harness_cleans_up_after_an_error_and_a_timeout(tmp_path):
         os.kill(pid, 0)
 
 
-
 def test_harness_wait_that_times_out_says_what_each_node_was_doing(tmp_path):
     with Cluster(1, workdir=tmp_path) as c:
         c.start(0, [PY, "-c", "import time\ndef waiting_here():\n    time.sleep(120)\n"
@@ -119,6 +118,7 @@ def test_harness_wait_that_times_out_says_what_each_node_was_doing(tmp_path):
     assert "--- node 0:\nup" in said  # its output
     assert re.search(r"node 0 pid \d+ \w .* -c import time", said)  # its processes
     assert "waiting_here" in said  # its Python stack (py-spy)
+
 
 # ----------------------------------------------------------------------------- equivalence
 
@@ -175,7 +175,7 @@ def test_link_down_then_up_restarts_from_the_latest_checkpoint(tmp_path, referen
         cut = time.monotonic()
         c.link_down(1)
         c.wait_for(lambda: all(c.first(i, f"Timed out waiting {TIMEOUT_S}000ms") for i in (0, 1)),
-                 TIMEOUT_S + 30, "a collective timeout on both nodes")
+                   TIMEOUT_S + 30, "a collective timeout on both nodes")
         for i in (0, 1):
             assert c.first(i, f"Timed out waiting {TIMEOUT_S}000ms") - cut < TIMEOUT_S + 20
         c.link_up(1)
@@ -347,13 +347,13 @@ def _shrink_and_grow(tmp):
             c.start(i, elastic_run(c, out), cwd=ROOT)
         c.wait_for(lambda: ledger_lines(out) >= 6 and any(  # the start line and 2 steps
             w == 3 and len(recs) >= 3 for _, _, w, recs in _rank0_rounds(out)), 150,
-                 "2 steps on 3 nodes")
+                   "2 steps on 3 nodes")
         before = {path for path, *_ in _rank0_rounds(out)}
         killed = time.time()
         c.kill(2)
         c.wait_for(lambda: any(w == 2 and path not in before
-                             for path, _, w, _ in _rank0_rounds(out)), 90,
-                 "the job going on with 2 nodes")
+                               for path, _, w, _ in _rank0_rounds(out)), 90,
+                   "the job going on with 2 nodes")
         restarted = time.time()
         c.start(2, elastic_run(c, out), cwd=ROOT)
         codes = c.wait(timeout=180)

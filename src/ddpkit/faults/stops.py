@@ -11,10 +11,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 __all__ = ["Stops", "StopRequested", "STOP_SIGNALS", "signal_name", "die_with_launcher",
-           "LAUNCHER_PID_VAR"]
+           "proc_stat", "LAUNCHER_PID_VAR"]
 
 #: The signals a worker handles. SIGINT stops at once (Ctrl-C); SIGTERM (what a launcher, Slurm
 #: or Kubernetes sends before a kill) and SIGUSR1 (Slurm's ``--signal``) stop after the step.
@@ -159,14 +159,26 @@ LAUNCHER_PID_VAR = "DDPKIT_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _started_at(pid: int | str) -> Optional[int]:
-    """When ``pid`` started (clock ticks since boot, /proc), or None: gone, or a zombie."""
+def proc_stat(pid: int | str) -> Optional[List[str]]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state letter, parent pid,
+    ...), or None if the process is gone (Linux).
+
+    Example::
+
+        proc_stat(4242)[:2]   # ['S', '4200']
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and ')'
+            text = f.read()
     except OSError:
         return None
-    return None if fields[0] in "ZX" else int(fields[19])
+    return text.rsplit(")", 1)[1].split()  # the command name may contain spaces and ')'
+
+
+def _started_at(pid: int | str) -> Optional[int]:
+    """When ``pid`` started (clock ticks since boot), or None: gone, or a zombie."""
+    fields = proc_stat(pid)
+    return None if fields is None or fields[0] in "ZX" else int(fields[19])
 
 
 def die_with_launcher(environ: Optional[dict] = None, sig: int = signal.SIGKILL) -> bool:

@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+from ..faults.stops import proc_stat
 from .network import split_endpoint
 
 __all__ = ["children", "stop_lost_workers", "AgentWatchdog", "watch_nnodes"]
@@ -18,13 +19,8 @@ __all__ = ["children", "stop_lost_workers", "AgentWatchdog", "watch_nnodes"]
 
 def _stat(pid: str) -> Optional[Tuple[int, str]]:
     """(parent pid, state letter) of ``pid`` from /proc, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()  # the command name may contain spaces and ')'
-    return int(fields[1]), fields[0]
+    fields = proc_stat(pid)
+    return None if fields is None else (int(fields[1]), fields[0])
 
 
 def children(pid: Optional[int] = None) -> Dict[int, str]:
