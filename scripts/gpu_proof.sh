@@ -11,11 +11,13 @@
 # (ddpkit / Accelerate / Lightning Fabric / hand-written DDP step, interleaved, with an A/A
 # control), demo (the README's `make demo` command), tests (`make test-gpu`'s tests: kill -9
 # resume bitwise in `ddpkit train`, `fit` and an own loop with workers and augmentation, FSDP2,
-# GPU->CPU checkpoints, verify on the README example, 2 ranks sharing the GPU over gloo).
+# GPU->CPU checkpoints, verify on the README example, 2 ranks sharing the GPU over gloo, and the
+# asynchronous checkpoints' tests on CUDA), ckpt_async (issue 36: how long a save blocks the step,
+# synchronous vs asynchronous from pinned host buffers, DDP and FSDP, 1 process on the GPU).
 set -u
 OUT=${OUT:-$PWD/gpu-proof}
 mkdir -p "$OUT"
-STEPS=${*:-env device_data peers demo tests}
+STEPS=${*:-env device_data peers demo ckpt_async tests}
 # The machine's python3 holds PyTorch (itself a venv: a venv made from it would not see its
 # packages); ddpkit comes from src/.
 PY=${PY:-python3}
@@ -50,7 +52,10 @@ step peers 110 "$PY" benchmarks/peers/run_peers.py --device cuda --nproc 1 --int
     --peers handwritten,ddpkit,ddpkit-dataloader,accelerate,fabric,handwritten-copy
 cp /tmp/gpu-proof-peers/peers.md "$OUT/" 2>/dev/null
 step demo 60 "$PY" -m ddpkit train --output /tmp/gpu-proof-demo
-step tests 220 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 6 --durations=15 tests/test_gpu.py
+step ckpt_async 200 "$PY" benchmarks/ckpt_async/blocking.py --sizes 10 100 350 --engines ddp fsdp \
+    --rounds 3 --nproc 1 --dir /tmp
+step tests 260 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 8 --durations=15 \
+    tests/test_gpu.py tests/test_async_ckpt.py
 
 echo
 echo "| step         | result    |  time  | last line |"

@@ -19,8 +19,13 @@ from ddpkit.env.detect import ClusterEnv
 from ddpkit.runtime import Runtime
 
 
-def runtime():
-    return Runtime(ClusterEnv(), torch.device("cpu"), None)
+def runtime(device="cpu"):
+    return Runtime(ClusterEnv(), torch.device(device), None)
+
+
+#: The snapshot's tests run on the CPU everywhere and on a GPU where there is one (there the host
+#: buffers are pinned and the copies asynchronous until the snapshot synchronises).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def data(n=48, seed=0):
@@ -44,15 +49,17 @@ def held_writer(ckpt):
     return go
 
 
-def test_the_saved_file_is_the_state_at_the_step_not_what_the_next_step_changes(tmp_path):
-    rt, net = runtime(), model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_saved_file_is_the_state_at_the_step_not_what_the_next_step_changes(tmp_path,
+                                                                               device):
+    rt, net = runtime(device), model().to(device)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     loader = rt.loader(data(), 8)
     ckpt = rt.checkpointer(tmp_path, model=net, optimizer=opt, loader=loader, every_steps=3,
                            extra={"losses": []}, async_save=True)
     go = held_writer(ckpt)
     for x, y in loader:
-        loss = nn.functional.cross_entropy(net(x), y)
+        loss = nn.functional.cross_entropy(net(x.to(device)), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -60,6 +67,10 @@ def test_the_saved_file_is_the_state_at_the_step_not_what_the_next_step_changes(
         saved = ckpt.step()
         if saved is not None:
             break
+    if device == "cuda":  # the weights and the momentum are copied into pinned memory (the
+        # RNG states, CPU tensors, into plain memory)
+        pinned = sum(b.nbytes() for b in ckpt.background.snapshot._buffers if b.is_pinned())
+        assert pinned >= 2 * sum(p.nbytes for p in net.parameters())
     expected = {k: v.clone() for k, v in net.state_dict().items()}
     momentum = [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()]
     losses, position = list(ckpt.extra["losses"]), loader.state_dict()
@@ -75,23 +86,30 @@ def test_the_saved_file_is_the_state_at_the_step_not_what_the_next_step_changes(
     assert state["progress"]["step"] == 3 and state["losses"] == losses
     assert state["loader"] == position
     for name, value in expected.items():
-        assert torch.equal(state["model"][name], value), name
+        assert torch.equal(state["model"][name], value.cpu()), name
     saved_momentum = [s["momentum_buffer"] for s in state["optimizer"]["state"].values()]
-    assert all(torch.equal(a, b) for a, b in zip(saved_momentum, momentum))
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(saved_momentum, momentum))
 
 
-def test_the_snapshot_keeps_shared_storage_and_reuses_its_buffers():
-    w = torch.randn(4, 3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_snapshot_keeps_shared_storage_and_reuses_its_buffers(device):
+    w = torch.randn(4, 3, device=device)
+    big = torch.randn(4096, 4096, device=device)  # 64 MB: an asynchronous copy takes a while
     snap = Snapshot()
-    first = snap.take({"a": w, "b": w, "row": w[1], "n": [1, {"x": 2.5}]})
+    first = snap.take({"a": w, "b": w, "row": w[1], "n": [1, {"x": 2.5}], "big": big})
+    before = big.detach().clone().cpu()
+    big.mul_(-1)  # queued right after the copy: must not reach it
+    assert torch.equal(first["big"], before)
+    assert first["a"].device.type == "cpu"
+    assert first["a"].untyped_storage().is_pinned() == (device == "cuda")
     assert first["a"].untyped_storage().data_ptr() == first["b"].untyped_storage().data_ptr()
-    assert torch.equal(first["row"], w[1]) and first["n"] == [1, {"x": 2.5}]
-    assert snap.nbytes == w.untyped_storage().nbytes()
+    assert torch.equal(first["row"], w[1].cpu()) and first["n"] == [1, {"x": 2.5}]
+    assert snap.nbytes == w.untyped_storage().nbytes() + big.untyped_storage().nbytes()
     w.add_(1)
-    assert not torch.equal(first["a"], w)
-    second = snap.take({"a": w, "b": w, "row": w[1], "n": [1, {"x": 2.5}]})
+    assert not torch.equal(first["a"], w.cpu())
+    second = snap.take({"a": w, "b": w, "row": w[1], "n": [1, {"x": 2.5}], "big": big})
     assert second["a"].untyped_storage().data_ptr() == first["a"].untyped_storage().data_ptr()
-    assert torch.equal(second["a"], w)
+    assert torch.equal(second["a"], w.cpu())
 
 
 def _rss_kb():

@@ -2,13 +2,15 @@
 (issue 36, item 6), 2 ranks, DDP and FSDP, models of ~10M, ~100M and ~350M parameters.
 
     python benchmarks/ckpt_async/blocking.py --sizes 10 100 350 --engines ddp fsdp --rounds 3
+    python benchmarks/ckpt_async/blocking.py --nproc 1     # on a GPU: one process per GPU, NCCL
 
 Each model is a stack of Linear(2048, 2048) layers with SGD momentum (the optimizer state is as
 large as the weights), trained 2 steps, then saved with two checkpointers of the same run (one
 synchronous, one ``async_save=True``) in alternation A B A B, ``rounds`` times each. Blocking
 time: the seconds ``ckpt.save()`` takes on rank 0 (the collective save every rank waits for);
 for async saves the write in flight before is waited for first, outside the timing, and the
-time until that write is on disk is reported as "write". Prints one JSON line per row.
+time until that write is on disk is reported as "write". On a GPU the model trains there and the
+asynchronous snapshot is a device-to-host copy into pinned buffers. Prints one JSON line per row.
 """
 from __future__ import annotations
 
@@ -28,14 +30,14 @@ import ddpkit
 WIDTH = 2048
 
 
-def run(size_m: int, engine: str, rounds: int, root: str) -> dict:
-    rt = ddpkit.setup(engine=engine)
+def run(size_m: int, engine: str, rounds: int, root: str, backend=None) -> dict:
+    rt = ddpkit.setup(engine=engine, backend=backend)
     layers = max(1, round(size_m * 1e6 / (WIDTH * WIDTH + WIDTH)))
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
     model = rt.wrap(net)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    x = torch.randn(4, WIDTH)
+    x = torch.randn(4, WIDTH, device=rt.device)
     for _ in range(2):
         model(x).square().mean().backward()
         opt.step()
@@ -63,7 +65,9 @@ def run(size_m: int, engine: str, rounds: int, root: str) -> dict:
                 times[name].append(blocked)
     background.close()
     sync.close()
-    row = {"engine": engine, "params_M": round(params / 1e6, 1), "ranks": rt.world_size,
+    row = {"engine": engine, "device": (torch.cuda.get_device_name(rt.device)
+                                        if rt.device.type == "cuda" else "cpu"),
+           "backend": rt.backend, "params_M": round(params / 1e6, 1), "ranks": rt.world_size,
            "sync_s": statistics.median(times["sync"]), "async_s": statistics.median(times["async"]),
            "async_write_s": statistics.median(times["write"]), "rounds": rounds}
     row["async_over_sync"] = row["async_s"] / row["sync_s"]
@@ -75,13 +79,16 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 350], help="millions")
     p.add_argument("--engines", nargs="+", default=["ddp", "fsdp"])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (on one GPU: 1, or 2 with gloo)")
+    p.add_argument("--backend", default=None, help="default: NCCL on GPUs, gloo on CPUs")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = p.parse_args()
     for size in args.sizes:
         for engine in args.engines:
             root = tempfile.mkdtemp(dir=args.dir, prefix="ckpt-async-")
             try:
-                row = ddpkit.launch(run, 2, size, engine, args.rounds, root, timeout=1800)
+                row = ddpkit.launch(run, args.nproc, size, engine, args.rounds, root,
+                                    args.backend, timeout=1800)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
