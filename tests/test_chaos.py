@@ -136,9 +136,9 @@ def test_a_stopped_rank_is_named_with_its_stack_and_the_job_ends_soon_after_the_
     os.kill(workers[1], signal.SIGSTOP)
     out, err = job.proc.communicate(timeout=120)
     seconds = time.monotonic() - start
-    assert job.proc.returncode == 1
-    assert seconds < timeout + 10, f"exited {seconds:.0f} s after the stop"
     text = "\n".join(_lines(err))
+    assert job.proc.returncode == 1, text
+    assert seconds < timeout + 10, f"exited {seconds:.0f} s after the stop:\n{text}"
     assert f"timed out after {timeout} s" in text and "check the network" not in text
     assert f"rank 1 did not arrive (pid {workers[1]} on " in text and "last finished step" in text
     assert "its Python stack, innermost first:" in text and "(ddpkit/" in text, text

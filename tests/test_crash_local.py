@@ -1,6 +1,7 @@
 """Tests for ddpkit.faults.crash on one node: ranks that fail the same way print one traceback."""
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -8,6 +9,8 @@ import time
 import pytest
 
 from ddpkit.faults.crash import failure_digest
+from ddpkit.faults.stops import proc_stat
+from ddpkit.launchers.watchdog import kill_stopped
 
 CLEAN = {k: v for k, v in os.environ.items()
          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -124,3 +127,49 @@ def test_the_peers_line_keeps_whole_sentences_of_the_error(tmp_path):
     assert res.stderr.splitlines() == [
         "stopped: a peer process failed during a collective (Connection closed by peer "
         "[127.0.0.1]:19683. This is typically caused by a remote worker crashing.)"]
+
+
+def test_kill_stopped_kills_the_stopped_workers_only_and_says_so():
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               start_new_session=True)  # leads its group, as a worker does
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while proc_stat(stopped.pid)[0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        said = []
+        assert kill_stopped({0: running.pid, 1: stopped.pid}, said.append) == [stopped.pid]
+        assert stopped.wait(10) == -signal.SIGKILL and running.poll() is None
+        assert said == [f"ddpkit run: local rank 1 (pid {stopped.pid}) was stopped (SIGSTOP, "
+                        "Ctrl-Z or a debugger) and could not act on the stop: killed it\n"]
+    finally:
+        for proc in (running, stopped):
+            proc.kill()
+            proc.wait()
+
+
+STOPPED_BESIDE = """import os, signal, sys, time, ddpkit
+rt = ddpkit.setup()
+if rt.rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(0.5)
+open(sys.argv[1], "w").close()
+raise ValueError("a bug on rank 0")
+"""
+
+
+@pytest.mark.slow
+def test_a_failure_beside_a_stopped_rank_ends_the_job_without_torchruns_30_s_grace(tmp_path):
+    # torchrun sends its stop signal to every worker and waits 30 s before it kills the ones
+    # still there: a stopped rank never acts on the signal, so the job took 30 s longer to end.
+    script, failed = tmp_path / "stopped.py", tmp_path / "failed"
+    script.write_text(STOPPED_BESIDE)
+    res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script),
+                          str(failed)], capture_output=True, text=True, timeout=120, env=CLEAN)
+    ended = time.time()
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert ended - failed.stat().st_mtime < 20, res.stderr[-3000:]  # torchrun's grace: 30 s
+    assert re.search(r"ddpkit run: local rank 1 \(pid \d+\) was stopped \(SIGSTOP, Ctrl-Z or a "
+                     r"debugger\) and could not act on the stop: killed it", res.stderr)
+    assert "ValueError: a bug on rank 0" in res.stderr

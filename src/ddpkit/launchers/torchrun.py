@@ -321,7 +321,7 @@ def run(cfg: RunConfig) -> int:
                     else contextlib.nullcontext())
         stranded = elastic.counting_stranded_nodes() if cfg.elastic else contextlib.nullcontext()
         with _guard(cfg, plan.is_host), restarts.naming_restarts(), tracking as members, \
-                stranded:
+                stranded, watchdog.ending_stopped_workers():
             torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
     except SignalException as exc:  # the agent stopped every worker with this signal first
         watchdog.stop_lost_workers(before)  # those it was starting when the signal came
