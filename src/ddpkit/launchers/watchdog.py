@@ -135,7 +135,10 @@ def ending_stopped_workers() -> Iterator[None]:
 
     def closing(context: Any, *args: Any, **kwargs: Any) -> Any:
         with contextlib.suppress(Exception):  # never in the way of the shutdown itself
-            kill_stopped(context.pids())
+            # only workers not yet reaped: a reaped one's pid may belong to another process now
+            handlers = getattr(context, "subprocess_handlers", None) or {}
+            kill_stopped({rank: h.proc.pid for rank, h in handlers.items()
+                          if h.proc.poll() is None})
         return close(context, *args, **kwargs)
 
     PContext.close = closing
