@@ -95,7 +95,7 @@ def _kill_group(pid: int) -> None:
 
 def kill_stopped(pids: Dict[int, int],
                  say: Optional[Callable[[str], Any]] = None) -> List[int]:
-    """SIGKILL the workers of ``pids`` (local rank -> pid) that are stopped (SIGSTOP, Ctrl-Z, a
+    """SIGKILL the workers of ``pids`` (local rank -> pid) that are stopped (SIGSTOP, a
     debugger): a stopped process acts on no other signal. Returns the pids killed, each said in
     one line.
 
@@ -109,15 +109,17 @@ def kill_stopped(pids: Dict[int, int],
         if fields is not None and fields[0] in ("T", "t"):
             _kill_group(pid)
             killed.append(pid)
-            (say or sys.stderr.write)(f"ddpkit run: local rank {local_rank} (pid {pid}) was stopped (SIGSTOP, Ctrl-Z or "
-                "a debugger) and could not act on the stop: killed it\n")
+            (say or sys.stderr.write)(
+                f"ddpkit run: local rank {local_rank} (pid {pid}) was stopped (SIGSTOP or a "
+                "debugger) and could not act on the stop: killed it\n")
     return killed
 
 
 @contextlib.contextmanager
 def ending_stopped_workers() -> Iterator[None]:
     """While the agent runs: when it ends its workers (a failure, a restart, a stop signal),
-    the stopped ones are killed at once. torchrun sends them its stop signal and waits 30 s for
+    the stopped ones are killed at once (a worker leads its own session: a terminal's Ctrl-Z
+    stops only the launcher, so a stopped worker was stopped on purpose). torchrun sends them its stop signal and waits 30 s for
     them to exit before it kills them; a stopped process never acts on the signal, so a job
     whose rank 0 failed beside a stopped rank 1 took 30 s longer to end.
 
