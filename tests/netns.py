@@ -439,7 +439,8 @@ class Cluster:
         """Plug ``node``'s cable back in."""
         _ip("-n", self.switch, "link", "set", f"p{node}", "up")
 
-    def shape(self, node: int, rate: Optional[str], strict: bool = False) -> None:
+    def shape(self, node: int, rate: Optional[str], strict: bool = False,
+              bucket: Optional[int] = None) -> None:
         """Limit ``node``'s link to ``rate`` (tc syntax: ``100mbit``, ``1gbit``) both ways with
         tbf (egress of the node's eth0 and of its bridge port); ``None`` removes the limit.
 
@@ -447,7 +448,8 @@ class Cluster:
         at veth speed after an idle moment. ``strict`` caps packets at one Ethernet frame
         (``gso_max_size``) and the bucket at 2 frames or 1 ms of traffic: every byte waits its
         turn, as on a real link of that rate (more packets: more CPU at high rates; the packet
-        cap stays after the limit is removed).
+        cap stays after the limit is removed). ``bucket`` sets the bucket's bytes instead (with
+        ``strict``, at least one frame: tbf drops a packet larger than its bucket).
 
         Example::
 
@@ -460,7 +462,8 @@ class Cluster:
                 _ip("-n", ns, "link", "set", "dev", dev, "gso_max_size", str(FRAME))
             if rate is not None:
                 subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev,
-                                "root", "tbf", "rate", rate, "burst", _burst(rate, strict),
+                                "root", "tbf", "rate", rate, "burst",
+                                str(bucket) if bucket else _burst(rate, strict),
                                 "latency", "100ms" if not strict else "400ms"],
                                check=True, capture_output=True, timeout=30)
 

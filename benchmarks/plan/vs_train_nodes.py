@@ -29,6 +29,7 @@ from netns import Cluster  # noqa: E402
 from validate import strict  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+BUCKET = None  # --bucket: tbf's bucket in bytes on strictly shaped links
 
 
 def on_nodes(rate, port, argv, launch, env=None):
@@ -37,7 +38,8 @@ def on_nodes(rate, port, argv, launch, env=None):
     with Cluster(2) as c:
         if rate != "none":
             for i in range(2):
-                c.shape(i, rate, strict=strict("auto", rate))
+                c.shape(i, rate, strict=strict("auto", rate),
+                        bucket=BUCKET if strict("auto", rate) else None)
         for i in range(2):
             c.start(i, [sys.executable, "-m", "ddpkit", launch, "--nnodes", "2", "--nproc", "1",
                         "--node-rank", str(i), "--rdzv-endpoint", f"{c.ip(0)}:{port}",
@@ -91,7 +93,13 @@ def main():
     p.add_argument("--runs", type=int, default=2, help="train runs per cell")
     p.add_argument("--plans", type=int, default=3, help="plan runs per rate")
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--bucket", type=int, default=None,
+                   help="tbf's bucket in bytes on the strictly shaped links (default: 2 frames "
+                        "or 1 ms of traffic); 1600 is one frame, the nearest tbf comes to a wire, "
+                        "where a message's first frame is not free after an idle moment")
     args = p.parse_args()
+    global BUCKET
+    BUCKET = args.bucket
     hooks, port, table = args.hooks.split(","), 29700, []
     with tempfile.TemporaryDirectory(prefix="ddpkit-vs-nodes-") as tmp:
         for rate in args.rates.split(","):
