@@ -283,6 +283,62 @@ def test_a_worker_interrupted_before_setup_leaves_quietly(tmp_path):
     assert proc.returncode == 130 and err == "", err[-2000:]
 
 
+SLOW_INTERPRETER_START = """
+import os, signal, time
+if os.environ.get("DDPKIT_LAUNCHER_PID"):  # a worker, not the launcher: starting slowly
+    with open(os.path.join(os.path.dirname(__file__), "starting"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    deadline = time.monotonic() + 60
+    while signal.SIGINT not in signal.sigpending() and time.monotonic() < deadline:
+        time.sleep(0.02)  # a Ctrl-C held for later shows here; one delivered raises here
+"""
+
+
+def test_a_ctrl_c_while_the_workers_interpreters_start_is_one_line(tmp_path):
+    # A CI run under load: `ddpkit train` interrupted 3 s in, as its workers' interpreters were
+    # starting (importing runpy for -m): each printed "Could not import runpy module" and a
+    # traceback under the launcher's line. Deterministic here: the workers' sitecustomize (site
+    # runs before runpy) waits until both started, the Ctrl-C comes, and it returns once the
+    # signal is pending (held); a signal delivered at once raises KeyboardInterrupt in it.
+    import signal
+    import time
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_INTERPRETER_START)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.pop("DDPKIT_LAUNCHER_PID", None)
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc", "2",
+                             "--output", str(tmp_path / "run")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            starting = site / "starting"
+            if starting.exists() and len(starting.read_text().split()) == 2:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("ddpkit run: interrupted (SIGINT); every worker stopped"), err
+
+
+def test_a_users_script_starts_with_ctrl_c_as_python_gives_it(tmp_path):
+    # the hold above is for ddpkit's own workers: a user's script may never import ddpkit, and
+    # a SIGINT blocked there would be lost (the agent would wait 30 s, then kill it)
+    script = tmp_path / "mask.py"
+    script.write_text("import signal\nprint('blocked:', sorted(signal.pthread_sigmask("
+                      "signal.SIG_BLOCK, [])))\n")
+    res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "1", str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "blocked: []" in res.stdout, res.stdout + res.stderr
+
+
 INTERRUPTED_WHILE_STARTING = """
 import os, runpy, signal, sys
 from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh

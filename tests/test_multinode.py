@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from ddpkit.checkpoint.names import list_checkpoints
 from ddpkit.launchers import watchdog
 
 import resume_script
@@ -339,6 +340,12 @@ def _rank0_rounds(out):
     return [f[1:] for f in sorted(found)]
 
 
+def _newest_checkpoint(out):
+    """The step of the newest complete checkpoint in the job's shared directory (-1: none)."""
+    found = list_checkpoints(os.path.join(out, "ckpt"))
+    return int(re.search(r"ckpt-(\d+)\.pt$", str(found[-1])).group(1)) if found else -1
+
+
 def _shrink_and_grow(tmp):
     """Kill node 2 after 2 steps on 3 nodes (and 6 in all); start it again once the job goes on
     without it. On a loaded host node 2 can come after the first group closed (--rdzv-last-call
@@ -352,9 +359,9 @@ def _shrink_and_grow(tmp):
     with Cluster(3, workdir=os.path.join(tmp, "nodes")) as c:
         for i in range(3):
             c.start(i, elastic_run(c, out), cwd=ROOT)
-        c.wait_for(lambda: ledger_lines(out) >= 6 and any(  # the start line and 2 steps
-            w == 3 and len(recs) >= 3 for _, _, w, recs in _rank0_rounds(out)), 300,
-                   "2 steps on 3 nodes")
+        c.wait_for(lambda: any(  # its start line, 2 steps and a checkpoint of its own
+            w == 3 and len(recs) >= 3 and _newest_checkpoint(out) > start
+            for _, start, w, recs in _rank0_rounds(out)), 300, "2 steps on 3 nodes")
         before = {path for path, *_ in _rank0_rounds(out)}
         killed = time.time()
         c.kill(2)

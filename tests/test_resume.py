@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -23,22 +24,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def effective_samples(out):
-    """Per epoch, the indices that count: each attempt's batches up to where the next one resumed."""
-    attempts = {}
+    """Per epoch, the indices that count: each round's batches up to where the next one resumed.
+
+    A round is one start of the workers: its ledgers (one a rank) share an attempt number and
+    a world size; rounds are taken in the order they began. Two rounds can share an attempt
+    number (multinode_script numbers them by the step they resumed from): a 3-process round
+    killed before its next checkpoint, and the 2-process round that redoes its steps."""
+    rounds = {}
     for path in glob.glob(os.path.join(out, "ledger-r*-a*-w*.jsonl")):
-        attempt = int(path.rsplit("-a", 1)[1].split("-")[0])
+        attempt, world = re.search(r"-a(\d+)-w(\d+)\.jsonl$", path).groups()
         with open(path) as f:
             lines = [json.loads(line) for line in f if line.strip()]
-        attempts.setdefault(attempt, []).append(lines)
-    order = sorted(attempts)
-    starts = {a: tuple(attempts[a][0][0]["start"]) for a in order}
+        rounds.setdefault((int(attempt), int(world)), []).append(lines)
+    order = sorted(rounds, key=lambda key: min(lines[0]["t"] for lines in rounds[key]))
     per_epoch = {}
-    for i, a in enumerate(order):
-        limit = starts[order[i + 1]] if i + 1 < len(order) else None
-        for lines in attempts[a]:
+    for i, key in enumerate(order):
+        limit = tuple(rounds[order[i + 1]][0][0]["start"]) if i + 1 < len(order) else None
+        for lines in rounds[key]:
             for rec in lines[1:]:
                 if limit is not None and (rec["epoch"], rec["pos"]) > limit:
-                    continue  # redone by the next attempt
+                    continue  # redone by the next round
                 per_epoch.setdefault(rec["epoch"], []).extend(rec["idx"])
     return per_epoch
 
@@ -48,6 +53,25 @@ def assert_every_sample_once(out, epochs):
     assert sorted(per_epoch) == list(range(epochs))
     for epoch, idx in per_epoch.items():
         assert sorted(idx) == list(range(resume_script.SAMPLES)), f"epoch {epoch}: lost or repeated"
+
+
+def test_the_ledger_counts_each_round_up_to_where_the_next_began(tmp_path):
+    # a CI run of the multi-node shrink-and-grow: the 3-node round (resumed from step 0) was
+    # killed after 2 steps, before its checkpoint, and the 2-node round redid them from step
+    # 0; grouped by attempt number alone both rounds counted ("epoch 0: lost or repeated")
+    def ledger(rank, world, t, start, batches):
+        with open(tmp_path / f"ledger-r{rank}-a0-w{world}.jsonl", "w") as f:
+            f.write(json.dumps({"start": start, "t": t}) + "\n")
+            for pos, idx in batches:
+                f.write(json.dumps({"epoch": 0, "pos": pos, "idx": idx}) + "\n")
+    for rank in range(3):  # 2 steps of 6 samples, 2 a rank
+        ledger(rank, 3, 10.0 + rank / 10, [0, 0], [(6, [2 * rank, 2 * rank + 1]),
+                                                  (12, [6 + 2 * rank, 7 + 2 * rank])])
+    for rank in range(2):  # the same 12 samples again, 3 a rank, and 6 more
+        ledger(rank, 2, 20.0, [0, 0], [(6, list(range(3 * rank, 3 * rank + 3))),
+                                       (12, list(range(6 + 3 * rank, 9 + 3 * rank))),
+                                       (18, list(range(12 + 3 * rank, 15 + 3 * rank)))])
+    assert sorted(effective_samples(str(tmp_path))[0]) == list(range(18))
 
 
 def assert_bitwise_equal(a, b):

@@ -29,6 +29,10 @@ if _sys.argv[:1] == ["-m"] and _os.environ.get("DDPKIT_LAUNCHER_PID"):
     # modules load) ends it quietly, not with a traceback under the launcher's line
     if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
         _signal.signal(_signal.SIGINT, _quiet_interrupt)
+    # it started with SIGINT blocked (launchers.watchdog.holding_early_interrupts): one that
+    # came while the interpreter started is delivered now, to the quiet handler
+    if hasattr(_signal, "pthread_sigmask"):
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
 
 
 def _noting_interrupt(signum, frame):  # pragma: no cover - exercised in a subprocess

@@ -320,8 +320,10 @@ def run(cfg: RunConfig) -> int:
         tracking = (elastic.tracking_members(cfg.nnodes_spec, plan.local_addr) if cfg.elastic
                     else contextlib.nullcontext())
         stranded = elastic.counting_stranded_nodes() if cfg.elastic else contextlib.nullcontext()
+        own = cfg.module and cfg.script.startswith("ddpkit.")  # ddpkit's own workers
         with _guard(cfg, plan.is_host), restarts.naming_restarts(), tracking as members, \
-                stranded, watchdog.ending_stopped_workers():
+                stranded, watchdog.ending_stopped_workers(), \
+                watchdog.holding_early_interrupts(own):
             torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
     except SignalException as exc:  # the agent stopped every worker with this signal first
         watchdog.stop_lost_workers(before)  # those it was starting when the signal came

@@ -1,6 +1,7 @@
 """Watchdogs around torchrun's agent: a node whose workers are gone but whose agent is stuck on
 the store exits, a node started with another ``--nnodes`` stops at once, and a stopped worker
-does not hold the end of a job for torchrun's 30 s shutdown grace.
+does not hold the end of a job for torchrun's 30 s shutdown grace, and ddpkit's own workers
+hold a Ctrl-C that comes while their interpreter starts until they can end quietly.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ..faults.stops import proc_stat
 from .network import split_endpoint
 
 __all__ = ["children", "stop_lost_workers", "kill_stopped", "ending_stopped_workers",
-           "AgentWatchdog", "watch_nnodes"]
+           "holding_early_interrupts", "AgentWatchdog", "watch_nnodes"]
 
 
 def _stat(pid: str) -> Optional[Tuple[int, str]]:
@@ -148,6 +149,46 @@ def ending_stopped_workers() -> Iterator[None]:
         yield
     finally:
         PContext.close = close
+
+
+@contextlib.contextmanager
+def holding_early_interrupts(active: bool = True) -> Iterator[None]:
+    """While the agent runs: its workers start with SIGINT blocked, and ``import ddpkit`` in a
+    worker (``python -m ddpkit...`` under this launcher) unblocks it once its quiet handler is
+    in place, so a Ctrl-C forwarded while the worker's interpreter starts waits for it instead
+    of printing a traceback ("Could not import runpy module", a CI run on a loaded host).
+
+    Only for ddpkit's own workers (``active``): a user's script may never import ddpkit, and a
+    blocked SIGINT would be lost there. A signal mask is inherited through fork and exec, and
+    only the thread that starts the worker blocks it, for the moment it does.
+
+    Example::
+
+        with holding_early_interrupts(cfg.module and cfg.script.startswith("ddpkit.")):
+            torchrun(args)
+    """
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler \
+            import SubprocessHandler
+        popen = SubprocessHandler._popen
+    except (ImportError, AttributeError):  # another torch: its workers start as they do
+        popen = None
+    if not active or popen is None or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+
+    def blocked(handler: Any, *args: Any, **kwargs: Any) -> Any:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return popen(handler, *args, **kwargs)
+        finally:  # a Ctrl-C meanwhile is delivered here now, as if it came a moment later
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+    SubprocessHandler._popen = blocked
+    try:
+        yield
+    finally:
+        SubprocessHandler._popen = popen
 
 
 class AgentWatchdog:
