@@ -120,9 +120,10 @@ def kill_stopped(pids: Dict[int, int],
 def ending_stopped_workers() -> Iterator[None]:
     """While the agent runs: when it ends its workers (a failure, a restart, a stop signal),
     the stopped ones are killed at once (a worker leads its own session: a terminal's Ctrl-Z
-    stops only the launcher, so a stopped worker was stopped on purpose). torchrun sends them its stop signal and waits 30 s for
-    them to exit before it kills them; a stopped process never acts on the signal, so a job
-    whose rank 0 failed beside a stopped rank 1 took 30 s longer to end.
+    stops only the launcher, so a stopped worker was stopped on purpose). torchrun sends them
+    its stop signal and waits 30 s for them to exit before it kills them; a stopped process
+    never acts on the signal, so a job whose rank 0 failed beside a stopped rank 1 took 30 s
+    longer to end.
 
     Example::
 
