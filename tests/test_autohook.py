@@ -198,10 +198,23 @@ def test_the_runner_up_is_tried_only_when_close_and_compressing():
     both = choose(work, LINKS["100mbit"], 2, CHEAP)
     assert both.predicted["powersgd-batched (rank 4)"] < 2 * both.predicted_s
     assert runner_up(both) is None
-    close = choose(work, LINKS["1gbit"], 2, {("bf16", 0): 1e-3, ("powersgd", 4): 0.03,
-                                             ("powersgd", 2): 0.03, ("powersgd-batched", 8): 1.0,
-                                             ("powersgd-batched", 4): 1.0})
+    costs = {("bf16", 0): 1e-3, ("powersgd-batched", 8): 1.0, ("powersgd-batched", 4): 1.0}
+    close = choose(work, LINKS["1gbit"], 2, {**costs, ("powersgd", 4): 0.02,
+                                             ("powersgd", 2): 0.02})
+    assert close.predicted["bf16"] >= 1.15 * close.predicted_s   # a clear gain: PowerSGD
     assert close.hook == "powersgd" and runner_up(close) == ("bf16", 0)
+    closer = choose(work, LINKS["1gbit"], 2, {**costs, ("powersgd", 4): 0.03,
+                                              ("powersgd", 2): 0.03})
+    best = min(v for k, v in closer.predicted.items() if k.startswith("powersgd"))
+    assert closer.predicted["bf16"] > 1.05 * best   # over 5%, under 15%: bf16, PowerSGD tried
+    assert closer.hook == "bf16" and runner_up(closer) == ("powersgd", 2)
+
+
+def test_a_trial_keeps_a_powersgd_only_for_a_clear_gain():
+    from ddpkit.cost.trial import HookTrial
+    assert HookTrial.keep([0.100, 0.090], [1.0, 1.0]) == 1
+    assert HookTrial.keep([0.100, 0.090], [1.0, 1.15]) == 0    # 10% faster is not 15%
+    assert HookTrial.keep([0.100, 0.080], [1.0, 1.15]) == 1    # 20% is
 
 
 TRIAL = r'''

@@ -258,6 +258,22 @@ def test_the_recommendation_prefers_the_earlier_hook_within_five_percent_as_auto
     assert recommend(odd) == {2: ("int8", pytest.approx(2.0))}   # a hook not in HOOKS: last
 
 
+def test_a_powersgd_is_recommended_only_when_it_is_fifteen_percent_faster_than_bf16():
+    # 100 Mbit/s between 2 nodes: the batched PowerSGD predicted 5-11% faster than bf16 over 5
+    # plan runs (training measured 2-6%), and the pick flipped bf16 / PowerSGD 2:3
+    step = step_time(1.0, [], 2, LINKS["100mbit"])
+
+    def rows(bf16, batched):
+        return [Row(2, 2, "none", step, 100.0, 1.0), Row(2, 2, "bf16", step, bf16, 1.0),
+                Row(2, 2, "powersgd-batched", step, batched, 1.0)]
+    for faster, pick in ((1.05, "bf16"), (1.11, "bf16"), (1.16, "powersgd-batched")):
+        assert recommend(rows(120.0, 120.0 * faster))[2][0] == pick, faster
+    # and at the slow end of the compute too: 20% at the median, 10% there
+    assert recommend(rows(120.0, 144.0), rows(110.0, 121.0)) == {2: ("bf16", pytest.approx(0.2))}
+    # with bf16 not worth its 5% either: plain all-reduce
+    assert recommend(rows(102.0, 112.0)) == {2: ("none", 0.0)}
+
+
 def test_a_hook_is_recommended_only_for_a_gain_that_holds_over_the_computes_spread():
     # the plan runs of one 1 Gbit/s cell: bf16 saved 0.4 ms of a 7-11 ms step, and the pick
     # went none, bf16, none as the compute's median moved

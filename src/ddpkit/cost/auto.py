@@ -16,10 +16,12 @@ step-time model (``ddpkit.cost.model``) needs, on this machine and this link:
 The slowest rank's figures are agreed by all-reduce, so every rank makes the same choice: the
 first of none, bf16, PowerSGD rank 4, rank 2, batched PowerSGD rank 8, rank 4 whose predicted
 step is within 5% (and 1 ms) of the fastest (compression that does not pay is not used; a
-higher rank, and a rank per tensor, are closer to exact). When it compresses and a hook of another kind is
-predicted within 2x of it, both are tried on the first real steps (``ddpkit.cost.trial``: in
-turns, twice 1 + 3 steps each) and the faster is kept: the model's error cannot then cost more
-than those steps. Two PowerSGDs are never tried against each other (each keeps an error memory
+higher rank, and a rank per tensor, are closer to exact), a PowerSGD only when it is also 15%
+faster than none and bf16 (:data:`~ddpkit.cost.model.LOWRANK_GAIN`: it trades accuracy). When
+it compresses and a hook of another kind is predicted within 2x of it, both are tried on the
+first real steps (``ddpkit.cost.trial``: in turns, twice 1 + 3 steps each) and the faster is
+kept, a PowerSGD only when 15% faster: the model's error cannot then cost more than those
+steps. Two PowerSGDs are never tried against each other (each keeps an error memory
 that taking turns would leave stale and then drop). The choice and its gain are one line from
 rank 0, and :func:`choice_of` returns them.
 """
@@ -35,7 +37,8 @@ from torch import nn
 
 from .measure import time_allreduce, workload_of
 from .trial import HookTrial, dispatch
-from .model import GAIN, Link, fit_link, hook_cost, ring_allreduce_seconds, step_time
+from .model import (GAIN, LOWRANK_GAIN, Link, fit_link, hook_cost, lowrank,
+                    ring_allreduce_seconds, step_time)
 
 __all__ = ["Choice", "choose", "probe_link", "measure_step", "install", "choice_of", "OPTIONS",
            "POWERSGD_RANKS", "BATCHED_RANKS", "FLOOR_S", "time_hooks", "runner_up", "TRIAL_FACTOR"]
@@ -132,12 +135,21 @@ def choose(work: Any, link: Link, ranks: int, hook_s: Dict[Tuple[str, int], floa
     steps = {(hook, r): step_time(work.compute_s, work.bucket_shapes, ranks, link, hook,
                                   max(r, 1), hook_s=hook_s.get((hook, r), 0.0)).total
              for hook, r in OPTIONS}
-    fastest = min(steps.values())
-    slack = max(fastest * GAIN, FLOOR_S)  # within noise of the fastest: the simpler one
-    hook, r = next(o for o in OPTIONS if steps[o] <= fastest + slack)
+    hook, r = _simplest_close(steps, OPTIONS)
+    whole = [o for o in OPTIONS if not lowrank(o[0])]  # the gradient sent whole
+    if lowrank(hook) and min(steps[o] for o in whole) < steps[(hook, r)] * (1 + LOWRANK_GAIN):
+        hook, r = _simplest_close(steps, whole)  # a PowerSGD only for a clear gain
     return Choice(hook, r, steps[(hook, r)], steps[("none", 0)], work.compute_s, link.alpha,
                   link.beta, ranks, {_label(h, k): s for (h, k), s in sorted(hook_s.items())},
                   {_label(h, k): s for (h, k), s in steps.items()})
+
+
+def _simplest_close(steps: Dict[Tuple[str, int], float],
+                    options: Sequence[Tuple[str, int]]) -> Tuple[str, int]:
+    """The first of ``options`` within noise (5%, and 1 ms) of the fastest of them."""
+    fastest = min(steps[o] for o in options)
+    slack = max(fastest * GAIN, FLOOR_S)
+    return next(o for o in options if steps[o] <= fastest + slack)
 
 
 def runner_up(choice: Choice) -> Optional[Tuple[str, int]]:
@@ -284,7 +296,8 @@ def _try(ddp: nn.Module, choice: Choice, options: List[Tuple[str, int]],
         setattr(ddp, _ATTR, final)
         _say(final)
 
-    ddp.register_comm_hook(HookTrial(labels, hooks, done), dispatch)
+    handicaps = [1 + LOWRANK_GAIN if lowrank(hook) else 1.0 for hook, _ in options]
+    ddp.register_comm_hook(HookTrial(labels, hooks, done, handicaps=handicaps), dispatch)
 
 
 def _say(choice: Choice) -> None:

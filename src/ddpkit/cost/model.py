@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["Link", "LINKS", "ring_allreduce_seconds", "bandwidths", "fit_link", "buckets",
            "HookCost", "hook_cost", "square_side", "StepTime", "step_time", "FIRST_BUCKET",
-           "BUCKET_CAP", "GAIN", "DEFAULT_RANKS"]
+           "BUCKET_CAP", "GAIN", "LOWRANK_GAIN", "lowrank", "DEFAULT_RANKS"]
 
 #: DDP's bucket sizes: the first bucket is small so communication starts early.
 FIRST_BUCKET = 1 << 20
@@ -48,6 +48,23 @@ DEFAULT_RANKS = {"powersgd": 2, "powersgd-batched": 4}
 #: A hook must beat plain all-reduce by this much to be chosen: below it the gain is within
 #: noise, and compression changes the numerics for nothing.
 GAIN = 0.05
+#: A PowerSGD must also beat every hook that sends the whole gradient (none, bf16) by this
+#: much: its low-rank approximation trades accuracy (the built-in job lost 0.56 points of top-1
+#: at 10 Mbit/s), and where it and bf16 are close the predictions and the real steps rank them
+#: differently from run to run (100 Mbit/s between 2 namespaced nodes: the batched PowerSGD
+#: predicted 5-11% faster than bf16 over 5 runs of `ddpkit plan`, measured 2-6% in training),
+#: so a smaller gain is neither worth the trade nor a stable advice.
+LOWRANK_GAIN = 0.15
+
+
+def lowrank(hook: str) -> bool:
+    """Whether ``hook`` sends a low-rank approximation of the gradient (a PowerSGD).
+
+    Example::
+
+        lowrank("powersgd-batched"), lowrank("bf16")   # (True, False)
+    """
+    return hook.startswith("powersgd")
 
 
 @dataclass(frozen=True)

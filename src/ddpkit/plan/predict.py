@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..cost.measure import Workload, workload_of
-from ..cost.model import DEFAULT_RANKS, GAIN, Link, StepTime, step_time
+from ..cost.model import DEFAULT_RANKS, GAIN, LOWRANK_GAIN, Link, StepTime, lowrank, step_time
 
 __all__ = ["Row", "synthetic_workload", "predict", "recommend", "HOOKS", "GAIN"]
 
@@ -107,7 +107,9 @@ def recommend(rows: Sequence[Row], slow: Sequence[Row] = ()) -> Dict[int, Tuple[
     "none" when plain all-reduce is within 5%). ``slow``: the same rows predicted at the slow
     end of the measured compute; a simpler hook within 5% of the fastest there is kept too, so
     a finer one is picked only for a gain that holds over the compute's spread (a gain of 4-6%
-    flipped the pick between runs whose medians differed by 2 ms).
+    flipped the pick between runs whose medians differed by 2 ms). A PowerSGD is picked only
+    when it is also :data:`~ddpkit.cost.model.LOWRANK_GAIN` (15%) faster than none and bf16,
+    at the median and at the slow end; else the best of those two.
 
     Example::
 
@@ -118,11 +120,24 @@ def recommend(rows: Sequence[Row], slow: Sequence[Row] = ()) -> Dict[int, Tuple[
         mine = sorted((r for r in rows if r.nodes == nodes),
                       key=lambda r: HOOKS.index(r.hook) if r.hook in HOOKS else len(HOOKS))
         plain = next((r for r in mine if r.hook == "none"), mine[0])
-        close = _close(mine) | _close([r for r in slow if r.nodes == nodes])
+        theirs = [r for r in slow if r.nodes == nodes]
+        close = _close(mine) | _close(theirs)
         pick = next(r for r in mine if r.hook in close)
+        if lowrank(pick.hook) and not all(_pays(pick.hook, rs) for rs in (mine, theirs) if rs):
+            whole = [r for r in mine if not lowrank(r.hook)]  # the gradient sent whole
+            close = _close(whole) | _close([r for r in theirs if not lowrank(r.hook)])
+            pick = next((r for r in whole if r.hook in close), pick)
         gain = pick.samples_per_s / plain.samples_per_s - 1
         out[nodes] = (pick.hook, gain) if pick.hook != "none" else ("none", 0.0)
     return out
+
+
+def _pays(hook: str, rows: Sequence[Row]) -> bool:
+    """Whether ``hook`` (a PowerSGD) is :data:`LOWRANK_GAIN` faster than every row that sends
+    the gradient whole."""
+    mine = max((r.samples_per_s for r in rows if r.hook == hook), default=0.0)
+    whole = max((r.samples_per_s for r in rows if not lowrank(r.hook)), default=0.0)
+    return mine >= whole * (1 + LOWRANK_GAIN)
 
 
 def _close(rows: Sequence[Row]) -> set:
