@@ -98,7 +98,7 @@ class Choice:
     def trade(self) -> str:
         """What the chosen hook gives up: PowerSGD approximates the gradients (lossy, with
         error feedback); bf16 rounds them; none gives up nothing."""
-        if self.hook.startswith("powersgd"):
+        if lowrank(self.hook):
             return (f"; trades accuracy for speed: gradients approximated at rank {self.rank} "
                     "with error feedback (the built-in job lost up to 0.5 points of top-1 at "
                     "10 Mbit/s: benchmarks/RESULTS.md); compare with --comm-hook none")
@@ -174,11 +174,11 @@ def _family(hook: str) -> str:
     taking turns with another would leave stale and then drop. Tried in turns, the per-tensor
     and the batched PowerSGD cost 0.6-1.4 points of top-1 on the built-in job (every trial
     kept the batched one; chosen without a trial, it lost none): RESULTS.md."""
-    return "powersgd" if hook.startswith("powersgd") else hook
+    return "powersgd" if lowrank(hook) else hook
 
 
 def _label(hook: str, rank: int) -> str:
-    return f"{hook} (rank {rank})" if hook.startswith("powersgd") else hook
+    return f"{hook} (rank {rank})" if lowrank(hook) else hook
 
 
 def probe_link(device: torch.device, group: Any = None, budget_s: float = 0.1,

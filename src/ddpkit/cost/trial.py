@@ -75,7 +75,6 @@ class HookTrial:
                       for i, h in enumerate(self.hooks)]
         self.done(self.kept, self.medians)
 
-
     @staticmethod
     def keep(medians: Sequence[float], handicaps: Sequence[float]) -> int:
         """The candidate kept: the least median step times its handicap.

@@ -120,12 +120,12 @@ def recommend(rows: Sequence[Row], slow: Sequence[Row] = ()) -> Dict[int, Tuple[
         mine = sorted((r for r in rows if r.nodes == nodes),
                       key=lambda r: HOOKS.index(r.hook) if r.hook in HOOKS else len(HOOKS))
         plain = next((r for r in mine if r.hook == "none"), mine[0])
-        theirs = [r for r in slow if r.nodes == nodes]
-        close = _close(mine) | _close(theirs)
+        at_slow = [r for r in slow if r.nodes == nodes]
+        close = _close(mine) | _close(at_slow)
         pick = next(r for r in mine if r.hook in close)
-        if lowrank(pick.hook) and not all(_pays(pick.hook, rs) for rs in (mine, theirs) if rs):
+        if lowrank(pick.hook) and not all(_pays(pick.hook, rs) for rs in (mine, at_slow) if rs):
             whole = [r for r in mine if not lowrank(r.hook)]  # the gradient sent whole
-            close = _close(whole) | _close([r for r in theirs if not lowrank(r.hook)])
+            close = _close(whole) | _close([r for r in at_slow if not lowrank(r.hook)])
             pick = next((r for r in whole if r.hook in close), pick)
         gain = pick.samples_per_s / plain.samples_per_s - 1
         out[nodes] = (pick.hook, gain) if pick.hook != "none" else ("none", 0.0)
