@@ -1,22 +1,23 @@
 """Measuring on this machine what the step-time model (``ddpkit.cost.model``) needs: a model's
 gradient buckets as DDP would make them, the compute time of its forward + backward, an
-all-reduce's time, the matmul rate. ``ddpkit plan`` (whose ``.calibrate`` times the job and
-each comm hook on the job's ranks) and ``comm_hook="auto"`` both stand on it.
+all-reduce's time, the link's latency and bandwidth, a comm hook's own cost, the matmul rate.
+``ddpkit plan`` (whose ``.calibrate`` times the job and each comm hook on the job's ranks) and
+``comm_hook="auto"`` both stand on it.
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .model import BUCKET_CAP, FIRST_BUCKET, buckets
+from .model import BUCKET_CAP, FIRST_BUCKET, Link, buckets, fit_link
 
 __all__ = ["Workload", "workload_of", "Timing", "repeat_timing", "measure_compute",
-           "measure_flops", "time_allreduce", "sync_device"]
+           "measure_flops", "time_allreduce", "sync_device", "probe_link", "time_hooks"]
 
 
 @dataclass(frozen=True)
@@ -163,3 +164,87 @@ def sync_device(device: torch.device) -> None:
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def probe_link(device: torch.device, group: Any = None, budget_s: float = 0.1,
+               smallest: int = 4 << 10, largest: int = 16 << 20) -> Link:
+    """Alpha and beta of the link the ranks of ``group`` all-reduce over, from all-reduces of
+    ``smallest`` bytes growing 4x until one takes ``budget_s`` or reaches ``largest``; each
+    size timed twice (the slowest rank's time of each, the faster kept). Collective.
+
+    Example::
+
+        link = probe_link(torch.device("cpu"))   # Link('probed', alpha=..., beta=...)
+    """
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size(group)
+    buf = torch.zeros(largest // 4, device=device)
+    dist.all_reduce(buf[:smallest // 4], group=group)  # connections made before timing
+    sizes, seconds, nbytes = [], [], smallest
+    while True:
+        sizes.append(float(nbytes))
+        seconds.append(min(time_allreduce(buf[:nbytes // 4], group) for _ in range(2)))
+        if len(sizes) >= 2 and (seconds[-1] >= budget_s or nbytes * 4 > largest):
+            return fit_link(sizes, seconds, ranks, "probed")
+        nbytes *= 4
+
+
+def time_hooks(bucket_shapes: Sequence[Sequence[Tuple[int, ...]]], hooks: Sequence[Tuple[str, int]],
+               make: Callable[..., Tuple[Any, Callable]], device: torch.device,
+               group: Any = None, steps: int = 2, median: bool = False,
+               after_step: Optional[Callable[[], Any]] = None) -> Dict[Tuple[str, int], float]:
+    """Seconds one step of each ``(hook, powersgd_rank)`` takes: the hook itself (``make(hook,
+    rank, group)``, compressing from its first step) run on buckets of ``bucket_shapes`` filled
+    with random gradients, one bucket after another, over ``group`` (a group of one rank: its
+    compute alone). The fastest of ``steps`` (its own cost), or their ``median`` (what it costs
+    while other processes share the cores; ``after_step``, timed with each step, can hold the
+    processes in step as DDP's all-reduces would). Collective over ``group``.
+
+    Example::
+
+        time_hooks([[(512, 512)]], [("bf16", 0)], make, torch.device("cpu"), group=alone)
+    """
+    spent = {}
+    for name, rank in hooks:
+        state, hook = make(name, max(rank, 1), group)
+        if hasattr(state, "start_powerSGD_iter"):
+            state.iter = state.start_powerSGD_iter  # no plain all-reduce warm-up here
+        fake = [_Bucket(i, len(bucket_shapes), shapes, device)
+                for i, shapes in enumerate(bucket_shapes)]
+        times = []
+        for _ in range(1 + steps):  # the first allocates PowerSGD's P, Q and error
+            start = time.perf_counter()
+            for bucket in fake:  # one at a time: torch's PowerSGD callbacks block gloo's threads
+                hook(state, bucket).wait()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if after_step is not None:
+                after_step()
+            times.append(time.perf_counter() - start)
+        kept = sorted(times[1:])
+        spent[(name, rank)] = kept[len(kept) // 2] if median else kept[0]
+    return spent
+
+
+class _Bucket:
+    """What DDP hands a comm hook (``torch.distributed.GradBucket``), made from shapes."""
+
+    def __init__(self, index: int, count: int, shapes: Sequence[Tuple[int, ...]],
+                 device: torch.device) -> None:
+        sizes = [math.prod(s) for s in shapes]
+        self._index, self._count = index, count
+        self._buffer = torch.randn(sum(sizes), device=device)
+        self._grads = [g.view(s) for g, s in zip(self._buffer.split(sizes), shapes)]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list:
+        return self._grads
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._index == self._count - 1

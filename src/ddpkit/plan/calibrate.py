@@ -117,7 +117,7 @@ def _hook_in_step(shapes: Sequence[Any], hook: str, rank: int, group: Any, repea
     (the first, a warm-up that allocates PowerSGD's P, Q and error, drops)."""
     import torch.distributed as dist
 
-    from ..cost.auto import time_hooks
+    from ..cost.measure import time_hooks
     from ..engines.ddp import comm_hook_for
     from ..wrap import WrapOptions
 
