@@ -363,15 +363,23 @@ class Cluster:
         return "--- processes:\n" + "\n".join(rows)
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:
-        """:func:`wait_for`, and past ``timeout`` s a :class:`TimeoutError` that also holds every
-        node's last lines, processes and Python stacks: what the cluster was doing instead.
+        """:func:`wait_for`, and past ``timeout`` s (or once every node's command has ended
+        without it) a :class:`TimeoutError` that also holds every node's last lines, processes
+        and Python stacks: what the cluster was doing instead.
 
         Example::
 
             c.wait_for(lambda: "joined" in c.output(0), 60, "the group")
         """
+        def held_or_over() -> bool:
+            if predicate():
+                return True
+            if self.procs and all(p.poll() is not None for p in self.procs.values()):
+                raise TimeoutError(f"{what} did not happen: every node's command has ended")
+            return False
+
         try:
-            wait_for(predicate, timeout, what)
+            wait_for(held_or_over, timeout, what)
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}\n{self.tails(30)}\n{self.ps()}\n{self.stacks()}") from None
 

@@ -323,9 +323,10 @@ EPOCHS, BATCH = 6, 12  # 8 steps an epoch; 12 splits over 2 and 3 ranks
 JOB = ["--timeout-s", "10", "--step-sleep", "0.4", "--batch", str(BATCH), "--epochs", str(EPOCHS)]
 
 
-def elastic_run(c, out, nnodes="2:3", extra=()):
+def elastic_run(c, out, nnodes="2:3", extra=(), last_call=3):
     return [PY, "-m", "ddpkit", "run", "--nnodes", nnodes, "--nproc", "1", "--rdzv-endpoint",
-            f"{c.ip(0)}:{PORT}", "--rdzv-last-call", "3", *extra, SLOW_JOB, "--out", out, *JOB]
+            f"{c.ip(0)}:{PORT}", "--rdzv-last-call", str(last_call), *extra, SLOW_JOB, "--out",
+            out, *JOB]
 
 
 def _rank0_rounds(out):
@@ -348,17 +349,22 @@ def _newest_checkpoint(out):
 
 def _shrink_and_grow(tmp):
     """Kill node 2 after 2 steps on 3 nodes (and 6 in all); start it again once the job goes on
-    without it. On a loaded host node 2 can come after the first group closed (--rdzv-last-call
-    3): the job starts on 2 nodes and node 2 joins at a checkpoint, so the kill waits for 3.
-    With every scenario at once on 2 cores a round costs up to a minute (the workers' imports),
-    and a node still stopping its workers can miss a round's last call and join at the next
-    checkpoint (seen in CI: node 0 missed the second round, the group reached 3 nodes in the
-    third, 150 s after the start): the waits allow several rounds."""
+    without it. On a loaded host node 2 can come after the first group closed: the job starts
+    on 2 nodes and node 2 joins at a checkpoint, so the kill waits for 3. The last call is 8 s:
+    with every scenario starting at once, node 2's agent once joined the first round more than
+    3 s after the others and the group only saw it waiting after all 48 steps (a fresh clone;
+    the kill never came). Only the 2-node round waits it out (3 nodes complete a round at
+    once). The agents' INFO logs (-v, LOGLEVEL=INFO) stay in nodes/node<i>.err: the rendezvous
+    story of a failure. With every scenario at once on 2 cores a round costs up to a minute
+    (the workers' imports), and a node still stopping its workers can miss a round's last call
+    and join at the next checkpoint (seen in CI: node 0 missed the second round, the group
+    reached 3 nodes in the third, 150 s after the start): the waits allow several rounds."""
     out = os.path.join(tmp, "shared")  # the checkpoint directory every node sees
     os.makedirs(out)
     with Cluster(3, workdir=os.path.join(tmp, "nodes")) as c:
+        run = elastic_run(c, out, extra=["-v"], last_call=8)
         for i in range(3):
-            c.start(i, elastic_run(c, out), cwd=ROOT)
+            c.start(i, run, env={"LOGLEVEL": "INFO"}, cwd=ROOT)
         c.wait_for(lambda: any(  # its start line, 2 steps and a checkpoint of its own
             w == 3 and len(recs) >= 3 and _newest_checkpoint(out) > start
             for _, start, w, recs in _rank0_rounds(out)), 300, "2 steps on 3 nodes")
@@ -369,7 +375,7 @@ def _shrink_and_grow(tmp):
                                for path, _, w, _ in _rank0_rounds(out)), 180,
                    "the job going on with 2 nodes")
         restarted = time.time()
-        c.start(2, elastic_run(c, out), cwd=ROOT)
+        c.start(2, run, env={"LOGLEVEL": "INFO"}, cwd=ROOT)
         codes = c.wait(timeout=300)
         return {"codes": codes, "out": [c.output(i) for i in range(3)], "dir": out,
                 "killed": killed, "restarted": restarted, "tails": c.tails(30)}
