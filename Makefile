@@ -27,10 +27,18 @@ demo: $(VENV)/.installed
 # import-linter), then the whole suite, multi-node and real-Slurm tests included (they need root and `ip netns`; without them they
 # skip, with the reason in the summary). pytest exits 5 when it collected nothing: that must
 # fail, not pass silently.
+#
+# In two parts: the tests that bring up clusters of their own (network namespaces, Slurm, pods:
+# marked `alone`, they load both cores and time their nodes' rounds) run by themselves; then
+# the rest on 2 pytest workers at once (pytest-xdist; --dist loadfile keeps a file's tests and
+# fixtures on one worker), as most of their time is processes starting and waiting.
 test: $(VENV)/.installed $(VENV)/.horovod slurm
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(BIN)/python -m pytest -q -m alone; alone=$$?; \
+	$(BIN)/python -m pytest -q -m "not alone" -n 2 --dist loadfile; rest=$$?; \
+	for rc in $$alone $$rest; do \
+		if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; done; \
+	if [ $$alone -ne 0 ]; then exit $$alone; fi; exit $$rest
 
 # The edit-test loop (a few minutes on 2 cores): the layering, then every test not marked slow,
 # multinode or gpu; `make test` runs them all, and is what CI runs.

@@ -17,9 +17,19 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 @pytest.fixture(autouse=True)
 def no_leaks():
+    """Fail a test that leaks launcher variables or a process group; put back any other
+    variable a test changed. The launcher run in-process (``ddpkit.job.start.start``) sets its
+    children's OMP_NUM_THREADS, GLOO_SOCKET_IFNAME, ... in ``os.environ``: the ``ddpkit run``
+    of every later test in that pytest process inherited them (with 2 pytest workers a language
+    model test compared its 1- and 2-process runs at 1 thread where it expected 2, and missed
+    its tolerance)."""
+    environ = dict(os.environ)
     before = {k: os.environ.get(k) for k in LAUNCH_VARS}
     yield
     after = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     assert before == after, f"test leaked launcher variables: {before} -> {after}"
     assert not tdist.is_initialized(), "test left a process group behind"
 
@@ -93,10 +103,17 @@ def small_disk(tmp_path, request):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+#: Files whose tests bring up a cluster of their own (nodes, Slurm's daemons on fixed ports, pods)
+#: and load both cores: `make test` runs them by themselves, the rest on 2 workers at once.
+ALONE_FILES = MULTINODE_FILES + ("test_slurm.py", "test_k8s_pods.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """Multi-node tests (network namespaces; they skip with the reason when not root or without
     `ip netns`) carry the `multinode` marker: part of `make test`; `make test-multinode` runs
-    only them."""
+    only them. Those and the other tests of :data:`ALONE_FILES` carry `alone`."""
     for item in items:
         if item.path.name in MULTINODE_FILES:
             item.add_marker(pytest.mark.multinode)
+        if item.path.name in ALONE_FILES:
+            item.add_marker(pytest.mark.alone)
