@@ -24,8 +24,8 @@ def no_leaks():
     model test compared its 1- and 2-process runs at 1 thread where it expected 2, and missed
     its tolerance)."""
     environ = dict(os.environ)
-    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
     yield
+    before = {k: environ.get(k) for k in LAUNCH_VARS}
     after = {k: os.environ.get(k) for k in LAUNCH_VARS}
     if os.environ != environ:
         os.environ.clear()

@@ -68,8 +68,7 @@ def calibrate(rt, model, x, y, hooks):
     aborts the process)."""
     import torch.distributed as dist
 
-    from ddpkit.cost.measure import time_hooks
-    from ddpkit.cost.measure import workload_of
+    from ddpkit.cost.measure import time_hooks, workload_of
     from ddpkit.engines.ddp import comm_hook_for
     from ddpkit.wrap import WrapOptions
 
