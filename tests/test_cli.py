@@ -116,7 +116,29 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
     (["plan", "--params", "1e6", "--compute-ms", "inf"], "--compute-ms must be a number > 0"),
     (["verify", "--backend", "glo", "examples/train_ddpkit.py"], "--backend 'glo' is not a backend"),
 ])
-def test_bad_input_gives_one_error_line(args, message):
+def test_bad_input_gives_one_error_line(args, message, capsys, monkeypatch):
+    # In this process (the command's own code from its entry on, without a fresh interpreter and
+    # its torch import for each of the 38); the next test takes a few through a real process.
+    from ddpkit.cli import status_of
+    monkeypatch.chdir(ROOT)
+    code = status_of(list(args))
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = error_lines(err)
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+    assert "resolved config" not in out, "refused before anything is written or started"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--nproc", "two", "examples/train_ddpkit.py"], "positive integer or 'auto'"),
+    (["run", "--nproc", "2", "tests/data/syntax_error.py"],
+     "tests/data/syntax_error.py:3: SyntaxError: '(' was never closed"),
+    (["train", "--batch-size", "63"],
+     "--batch-size 63 cannot be split evenly over 2 processes; use --batch-size 62 or 64"),
+    (["plan", "--params", "nan", "--compute-ms", "10"], "--params must be a parameter count >= 1"),
+])
+def test_bad_input_through_the_command_is_one_line_and_exit_2(args, message):
     res = ddpkit(*args, timeout=60)
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = error_lines(res.stderr)

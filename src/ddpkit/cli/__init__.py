@@ -13,7 +13,7 @@ from ..errors import DDPKitError, JobSetupError
 from ..launchers.srun import is_first_task
 from . import bench, ckpt, doctor, k8s, plan, run, slurm, train, verify
 
-__all__ = ["main", "entry", "build_parser"]
+__all__ = ["main", "entry", "status_of", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,8 +54,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
+def status_of(argv: Optional[List[str]] = None) -> int:
+    """:func:`main` with the way the executable ends folded in: a Ctrl-C while the flags are
+    parsed is 130, argparse's ``--help`` 0 and its usage errors 2 (their line printed).
+
+    Example::
+
+        assert status_of(["plan", "--params", "-5", "--compute-ms", "10"]) == 2
+    """
+    try:
+        return main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (parsing the flags)
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+    except SystemExit as exc:  # argparse's --help / usage errors
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+
+
 def entry() -> None:
-    """The ``ddpkit`` executable: :func:`main`, then leave without interpreter finalisation.
+    """The ``ddpkit`` executable: :func:`status_of`, then leave without interpreter finalisation.
 
     After torchrun's agent ran in this process (``ddpkit run``, ``ddpkit train``), tearing the
     interpreter down destroys its C++ rendezvous objects while their threads still run, which
@@ -70,15 +89,7 @@ def entry() -> None:
     import atexit
     import os
 
-    try:
-        code = main()
-    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (parsing the flags)
-        print("interrupted", file=sys.stderr, flush=True)
-        code = 130
-    except SystemExit as exc:  # argparse's --help / usage errors
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
+    code = status_of()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
