@@ -123,11 +123,7 @@ def test_bad_input_gives_one_error_line(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     code = status_of(list(args))
     out, err = capsys.readouterr()
-    assert code == 2, (out, err)
-    lines = error_lines(err)
-    assert len(lines) == 1 and message in lines[0], err
-    assert "Traceback" not in err
-    assert "resolved config" not in out, "refused before anything is written or started"
+    assert_refused_in_one_line(code, out, err, message)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -140,11 +136,15 @@ def test_bad_input_gives_one_error_line(args, message, capsys, monkeypatch):
 ])
 def test_bad_input_through_the_command_is_one_line_and_exit_2(args, message):
     res = ddpkit(*args, timeout=60)
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    lines = error_lines(res.stderr)
-    assert len(lines) == 1 and message in lines[0], res.stderr
-    assert "Traceback" not in res.stderr
-    assert "resolved config" not in res.stdout, "refused before anything is written or started"
+    assert_refused_in_one_line(res.returncode, res.stdout, res.stderr, message)
+
+
+def assert_refused_in_one_line(code, out, err, message):
+    assert code == 2, (out, err)
+    lines = error_lines(err)
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+    assert "resolved config" not in out, "refused before anything is written or started"
 
 
 def test_busy_master_port_is_reported():
