@@ -143,6 +143,19 @@ def test_an_nccl_timeout_names_the_op_and_other_errors_are_left_alone():
     assert collective_timeout(ValueError("bad input"), None) is None
 
 
+def test_a_gloo_connection_closed_by_its_timeout_is_a_timeout_with_the_groups_seconds():
+    # Seen under load beside a SIGSTOPped rank: rank 0 waited in DDP's buffer broadcast and gloo
+    # raised this for it, with no figure, once the connection had timed out; it was printed as
+    # a traceback instead of the one line (tests/test_chaos.py, the stopped rank).
+    from ddpkit.faults.crash import collective_timeout
+
+    closed = RuntimeError("Application timeout caused pair closure")
+    line = collective_timeout(closed, None, single_node=True, timeout_s=10.0)
+    assert line.startswith("a collective timed out after 10 s (Application timeout caused pair "
+                           "closure): a peer rank stopped answering: it is stuck or stopped"), line
+    assert collective_timeout(closed).startswith("a collective timed out (Application timeout")
+
+
 def test_a_timeout_names_the_ddpkit_function_the_script_called(monkeypatch):
     import torch
     import torch.distributed as tdist

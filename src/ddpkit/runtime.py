@@ -272,7 +272,8 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
         atexit.register(heartbeat.leaving)
     _watch_for_stalls(heartbeat, chosen.store(), env.world_size, timeout)
     if backend_name is not None:  # PyTorch wrapped the hook at init; ours goes on top
-        install_error_hook(env.rank, stops=stops, heartbeat=heartbeat, single_node=single_node)
+        install_error_hook(env.rank, stops=stops, heartbeat=heartbeat, single_node=single_node,
+                           timeout_s=timeout.total_seconds())
     if seed is not None:
         seed_everything(seed)
     if deterministic:

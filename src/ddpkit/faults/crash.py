@@ -30,16 +30,19 @@ _TIMEOUT_PATTERNS = (
     # NCCL watchdog: "... WorkNCCL(SeqNum=7, OpType=ALLREDUCE, ...) ran for 600012 milliseconds
     # before timing out" / "Timeout(ms)=600000"
     re.compile(r"OpType=(?P<op>\w+).*?Timeout\(ms\)=(?P<ms>\d+)", re.S),
+    # gloo, for the other operations on a connection that timed out (DDP's buffer broadcast
+    # beside a stopped rank): no figure in it; the group's own timeout is said instead
+    re.compile(r"Application timeout caused pair closure"),
 )
 
 
-def collective_timeout(exc: BaseException, tb: Any = None,
-                       single_node: bool = False) -> Optional[str]:
+def collective_timeout(exc: BaseException, tb: Any = None, single_node: bool = False,
+                       timeout_s: Optional[float] = None) -> Optional[str]:
     """One line for a collective that timed out (gloo or NCCL), or None for other errors.
 
     Names the collective (from the traceback: ``all_reduce``, ``barrier``, DDP's gradient
-    all-reduce in ``backward``...), where the script called it, the timeout, and what to check
-    (on one node: no network advice).
+    all-reduce in ``backward``...), where the script called it, the timeout (from the message,
+    else ``timeout_s``, the group's), and what to check (on one node: no network advice).
 
     Example::
 
@@ -51,14 +54,16 @@ def collective_timeout(exc: BaseException, tb: Any = None,
     match = next((m for m in (p.search(text) for p in _TIMEOUT_PATTERNS) if m), None)
     if match is None:
         return None
-    seconds = int(match.group("ms")) / 1000
+    ms = match.groupdict().get("ms")
+    seconds = int(ms) / 1000 if ms else timeout_s
     op, where = _collective_site(tb if tb is not None else exc.__traceback__)
     if op is None and match.groupdict().get("op"):
         op = match.group("op").lower()
     detail = _gist(re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0]), 160)
     if "gloo" in text.lower():
         detail = f"gloo: {detail}"
-    head = (f"{'collective ' + op if op else 'a collective'} timed out after {seconds:g} s "
+    after = f" after {seconds:g} s" if seconds else ""
+    head = (f"{'collective ' + op if op else 'a collective'} timed out{after} "
             f"({'called at ' + where + '; ' if where else ''}{detail}): a peer rank stopped "
             "answering")
     if single_node:
@@ -202,7 +207,8 @@ def note_peer_loss(exc: BaseException, heartbeat: Any) -> None:
 
 
 def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
-                       heartbeat: Any = None, single_node: bool = False) -> None:
+                       heartbeat: Any = None, single_node: bool = False,
+                       timeout_s: Optional[float] = None) -> None:
     """Report an uncaught error once instead of once per rank.
 
     Rank 0 reports at once; other ranks wait ``delay`` seconds first, by which time a launcher
@@ -212,7 +218,8 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
     different errors are each printed. A
     :class:`DDPKitError` is one line (no traceback) and exit status 2; a collective that failed
     only because a peer died is one line too, so the failing rank's traceback stands out; a
-    collective that timed out is one line on every rank (:func:`collective_timeout`).
+    collective that timed out is one line on every rank (:func:`collective_timeout`;
+    ``timeout_s``: the group's timeout, said where the error does not give it).
     Install it after the process group exists: PyTorch wraps ``sys.excepthook`` at init.
     With ``stops`` (:class:`ddpkit.faults.stops.Stops`), an error after a stop signal is the stop's
     consequence: the process leaves quietly with 128 + the signal. With ``heartbeat``
@@ -239,7 +246,7 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
             first = _gist(str(value), 120)  # the first sentences: what happened, not advice
             _write(f"{prefix}stopped: a peer process failed during a collective ({first})\n")
             os._exit(1)
-        timed_out = collective_timeout(value, tb, single_node)
+        timed_out = collective_timeout(value, tb, single_node, timeout_s)
         if timed_out is not None:
             # Every rank of a cut-off node times out alike: one line each, at once (no delay:
             # on several nodes each launcher sees only its own ranks). On one node the ranks
