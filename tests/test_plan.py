@@ -130,7 +130,7 @@ def test_compression_is_recommended_only_when_it_gains_more_than_five_percent():
 def test_plan_on_the_command_line(tmp_path, capsys):
     report = tmp_path / "plan.json"
     assert main(["plan", "--params", "25e6", "--compute-ms", "200", "--nodes", "1,2", "--repeats", "2",
-                 "--link", "100mbit", "--json", str(report)]) == 0
+                 "--min-time", "0", "--link", "100mbit", "--json", str(report)]) == 0
     out = capsys.readouterr().out
     assert "2 node(s): --comm-hook powersgd" in out and "assumed: model: 25,000,000" in out
     data = json.loads(report.read_text())
@@ -138,13 +138,14 @@ def test_plan_on_the_command_line(tmp_path, capsys):
     assert data["recommendation"]["2"]["hook"].startswith("powersgd")
     assert "--powersgd-rank" not in out               # each hook's default, as train's
     assert main(["plan", "--params", "25e6", "--compute-ms", "200", "--nodes", "2", "--repeats", "2",
-                 "--link", "100mbit", "--powersgd-rank", "4"]) == 0
+                 "--min-time", "0", "--link", "100mbit", "--powersgd-rank", "4"]) == 0
     assert "--powersgd-rank 4 (+" in capsys.readouterr().out
     doctor = tmp_path / "doctor.json"
     doctor.write_text(json.dumps({"link": {"alpha": 1e-5, "beta": 1e9}}))
     threads = torch.get_num_threads()
     assert main(["plan", "--model", "small_cnn", "--batch", "4", "--nodes", "2", "--nproc", "2",
-                 "--repeats", "3", "--link", str(doctor), "--json", str(report)]) == 0
+                 "--repeats", "3", "--min-time", "0", "--link", str(doctor), "--json",
+                 str(report)]) == 0
     out = capsys.readouterr().out
     assert f"measured ({doctor})" in out
     # the job's own input, a rank's threads, the median and its spread: said, and in the JSON
@@ -174,6 +175,7 @@ def test_plan_on_the_command_line(tmp_path, capsys):
     (["--input-shape", "3,32"], "--input-shape '3,32'"),
     (["--nproc", "none"], "--nproc 'none'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--min-time", "-1"], "--min-time must be seconds >= 0"),
     (["--host-ranks", "0"], "--host-ranks must be >= 1"),
 ])
 def test_bad_plan_input_is_one_line(args, said, capsys):
@@ -189,14 +191,19 @@ def test_a_synthetic_model_is_stated_as_such():
 
 
 def test_hook_compute_is_measured_on_the_gradients_shapes():
-    from ddpkit.plan.calibrate import calibrate
+    from ddpkit.plan.calibrate import MOST_REPEATS, calibrate
 
     work = workload_of(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 10)), 0.01, 8)
     # a model known only by its gradients' shapes: its hooks alone, on the ranks given
     timed = calibrate({"shapes": work.bucket_shapes, "batch": 8}, ranks=2, threads=1,
-                      hooks={"bf16": 0, "powersgd": 2}, repeats=3, step=False)
+                      hooks={"bf16": 0, "powersgd": 2}, repeats=3, step=False, min_time_s=0)
     assert set(timed) == {"bf16", "powersgd"}
     assert all(t.count == 3 and 0 < t.low <= t.median <= t.high for t in timed.values())
+    # a step far shorter than min_time_s is timed more often, up to MOST_REPEATS: seven
+    # samples of a short step caught too little of a host's phases for a stable median
+    longer = calibrate({"shapes": work.bucket_shapes, "batch": 8}, ranks=2, threads=1,
+                       hooks={"bf16": 0}, repeats=3, step=False, min_time_s=2.0)
+    assert longer["bf16"].count == MOST_REPEATS
     shapes = [[(256, 256)]]
     measured = step_time(0.1, shapes, 2, LINKS["100gbit"], "powersgd", hook_s=0.05)
     assert measured.hook_compute == 0.05 and measured.total >= 0.15
@@ -326,12 +333,13 @@ def test_the_job_is_timed_on_the_nodes_ranks_at_once_and_a_failed_rank_is_named(
     from ddpkit.plan.calibrate import calibrate
 
     job = {"model": "small_cnn", "batch": 8}
-    timed = calibrate(job, ranks=2, threads=1, hooks={"bf16": 0}, repeats=3)
+    timed = calibrate(job, ranks=2, threads=1, hooks={"bf16": 0}, repeats=3, min_time_s=0)
     # one node's whole step too (its ranks' all-reduce measured, not modelled)
     assert set(timed) == {"compute", "node", "bf16"}
     assert all(t.count == 3 and 0 < t.low <= t.median <= t.high for t in timed.values())
     # two nodes of one rank sharing this host: no node step to time
-    apart = calibrate(job, ranks=2, threads=1, hooks={}, repeats=2, per_node=1)
-    assert set(apart) == {"compute"}
+    apart = calibrate(job, ranks=2, threads=1, hooks={}, repeats=2, per_node=1, min_time_s=0.05)
+    # timed for 0.05 s at least: more than 2 steps of a few ms (one rank's step of 8 digits)
+    assert set(apart) == {"compute"} and apart["compute"].count > 2
     with pytest.raises(RuntimeError, match="on 2 rank.* failed on rank .*unknown model"):
         calibrate({"model": "alexnet9", "batch": 8}, ranks=2, threads=1, hooks={}, repeats=1)

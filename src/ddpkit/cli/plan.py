@@ -41,7 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-ms", type=float,
                    help="a training step per rank (default: measured here for --model)")
     p.add_argument("--repeats", type=int, default=7,
-                   help="timed steps after 2 warm-up ones; their median is used (default 7)")
+                   help="timed steps after 2 warm-up ones, at least; their median is used "
+                        "(default 7)")
+    p.add_argument("--min-time", type=float, default=0.5, metavar="SECONDS",
+                   help="and at least this long of them: a short step is timed more often, up "
+                        "to 100 times (default 0.5)")
     p.add_argument("--nodes", default="1,2,4", help="node counts to predict (default 1,2,4)")
     p.add_argument("--nproc", "--gpus-per-node", dest="nproc", default="auto",
                    help="ranks per node, as ddpkit train --nproc: a number, or auto (one per GPU, "
@@ -112,6 +116,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     if host < per_node:
         raise ConfigError(f"--host-ranks {host} is fewer than the node's own ranks (--nproc "
                           f"{per_node}): give at least {per_node}")
+    if not 0 <= ns.min_time < math.inf:
+        raise ConfigError(f"--min-time must be seconds >= 0, got {ns.min_time:g}")
     compute = ns.compute_ms / 1e3 if ns.compute_ms is not None else None
     if compute is not None and not 0 < compute < math.inf:
         raise ConfigError(f"--compute-ms must be a number > 0, got {ns.compute_ms:g}")
@@ -181,7 +187,8 @@ def _measure(ns: argparse.Namespace, compute, per_node: int, host: int
                               "batch): without the model there is nothing to measure")
         work = synthetic_workload(int(ns.params), compute, ns.batch)
         timed = calibrate({"shapes": work.bucket_shapes, "batch": ns.batch}, host,
-                          measured.threads, hooks, ns.repeats, False, device, per_node=per_node)
+                          measured.threads, hooks, ns.repeats, False, device, per_node=per_node,
+                          min_time_s=ns.min_time)
         return work, dataclasses.replace(measured, hooks=timed)
     from ..job.config import TrainConfig
 
@@ -191,7 +198,7 @@ def _measure(ns: argparse.Namespace, compute, per_node: int, host: int
     job = {"model": model, "data": ns.data, "data_dir": ns.data_dir, "shape": shape,
            "batch": ns.batch}
     timed = calibrate(job, host, measured.threads, hooks, ns.repeats, compute is None, device,
-                      per_node=per_node)
+                      per_node=per_node, min_time_s=ns.min_time)
     step, node = timed.pop("compute", None), timed.pop("node", None)
     if step is not None:
         work = dataclasses.replace(work, compute_s=step.median)
