@@ -222,10 +222,10 @@ def _time_step(spec: Dict[str, Any], rank: int, device: torch.device, alone: Lis
         if per_node > 1:   # the node's own job: its gradients all-reduced between its ranks
             found["node"] = _in_step(_training_step(copy.deepcopy(model), nodes[rank // per_node],
                                                     batches, False), spec["repeats"], device,
-                                     spec.get("min_time", 0.0))
+                                     spec["min_time"])
         found["compute"] = _in_step(_training_step(model, alone[rank], batches,
                                                    spec["world"] > 1), spec["repeats"], device,
-                                    spec.get("min_time", 0.0))
+                                    spec["min_time"])
     return list(workload_of(model, 0.0, spec["batch"]).bucket_shapes)
 
 
@@ -250,7 +250,7 @@ def _rank(spec: Dict[str, Any], rank: int) -> Dict[str, List[float]]:
         shapes = _time_step(spec, rank, device, alone, nodes, per_node, found)
     for hook, power_rank in spec["hooks"].items():
         found[hook] = _hook_in_step(shapes, hook, power_rank, alone[rank], spec["repeats"],
-                                    device, spec.get("min_time", 0.0))
+                                    device, spec["min_time"])
     names = list(found)
     flat = torch.tensor([s for n in names for s in found[n]], dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)   # step by step, the slowest rank's
