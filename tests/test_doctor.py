@@ -39,6 +39,9 @@ def test_doctor_on_two_processes_checks_everything_and_plan_reads_its_link(tmp_p
         assert row["algbw"] == pytest.approx(row["bytes"] / row["seconds"])
     assert data["link"]["alpha"] >= 0 and data["link"]["beta"] > 0
     assert -1.0 <= data["link"]["overlap"] <= 1.0
+    from ddpkit.doctor.cluster import MOST_REPEATS
+    for row in data["sweep"]:     # the mean of its repeats (what a step pays), its median too
+        assert 3 <= row["repeats"] <= MOST_REPEATS and row["median"] > 0 and row["seconds"] > 0
     said = next(f for f in data["findings"] if f["name"] == "overlap")["detail"]
     assert said.startswith("an all-reduce of 0.25 MiB beside compute: compute ") and \
         f"overlap {data['link']['overlap']:.2f} (" in said
