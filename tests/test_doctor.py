@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ddpkit.cli import main
 from ddpkit.doctor.checks import routes, versions
-from ddpkit.doctor.cluster import clocks, overlap_finding, sweep_sizes
+from ddpkit.doctor import cluster
+from ddpkit.doctor.cluster import MOST_REPEATS, clocks, overlap_finding, sweep_sizes
 from ddpkit.doctor.run import parse_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +41,6 @@ def test_doctor_on_two_processes_checks_everything_and_plan_reads_its_link(tmp_p
         assert row["algbw"] == pytest.approx(row["bytes"] / row["seconds"])
     assert data["link"]["alpha"] >= 0 and data["link"]["beta"] > 0
     assert -1.0 <= data["link"]["overlap"] <= 1.0
-    from ddpkit.doctor.cluster import MOST_REPEATS
     for row in data["sweep"]:     # the mean of its repeats (what a step pays), its median too
         assert 3 <= row["repeats"] <= MOST_REPEATS and row["median"] > 0 and row["seconds"] > 0
     said = next(f for f in data["findings"] if f["name"] == "overlap")["detail"]
@@ -159,6 +160,35 @@ def test_the_overlap_line_warns_when_the_all_reduce_takes_the_compute_cores():
     worse = overlap_finding({**measured, "overlap": -0.3, "together_s": 0.0366})
     assert worse.verdict == "warn" and \
         "overlap -0.30 (both at once take longer than one after the other)" in worse.detail
+
+
+def test_the_sweep_reports_the_mean_a_step_pays_with_the_median_beside_it(monkeypatch):
+    """A small all-reduce on a busy 2-core VM took either ~0.4 ms or ~4 ms: the median of its
+    repeats lands on either mode, the mean is what a step pays. Each size is timed at least 3
+    times, then until its share of the budget is spent, at most MOST_REPEATS times."""
+    import types
+
+    monkeypatch.setattr(cluster, "tdist", types.SimpleNamespace(
+        get_world_size=lambda: 2, all_reduce=lambda *args, **kwargs: None))
+    pattern = [4e-4, 4e-4, 4e-3]                       # the fast mode twice, the slow once
+    calls = []
+
+    def timed(buffer):
+        calls.append(buffer.numel())
+        return pattern[(len(calls) - 1) % 3]
+
+    monkeypatch.setattr(cluster, "time_allreduce", timed)
+    short, = cluster.sweep(torch.device("cpu"), [1024], budget_s=1.0)
+    assert short["repeats"] == MOST_REPEATS                  # 60 x 1.6 ms < 1 s: the cap
+    assert short["seconds"] == pytest.approx(1.6e-3) and short["median"] == pytest.approx(4e-4)
+    assert short["algbw"] == pytest.approx(1024 / 1.6e-3)
+    calls.clear()
+    long, = cluster.sweep(torch.device("cpu"), [1024], budget_s=1e-4)
+    assert long["repeats"] == 3 and long["seconds"] == pytest.approx(1.6e-3)   # at least 3
+    calls.clear()
+    rows = cluster.sweep(torch.device("cpu"), [1024, 4096], budget_s=0.06)
+    # each size's share is 30 ms: 20 repeats spend 29.6 ms, the 21st (a slow one) passes it
+    assert [r["repeats"] for r in rows] == [21, 21] and calls == [256] * 21 + [1024] * 21
 
 
 def test_a_link_whose_small_messages_take_hundreds_of_us_never_fits_alpha_0():

@@ -22,7 +22,8 @@ __all__ = ["collective", "clocks", "shared", "sweep", "sweep_sizes", "link_findi
            "timeout_finding", "overlap", "overlap_finding"]
 
 #: A sweep size is timed at most this many times (within its share of the budget): a small
-#: message took 0.4 ms or 4 ms on a busy host, and the mean of many is what a step pays.
+#: all-reduce took either ~0.4 ms or ~4 ms on a 2-core VM, and the median of 20 put alpha at 83 us
+#: on one link and 1002 us on another whose small messages cost the same; a step pays the mean.
 MOST_REPEATS = 60
 
 
@@ -104,11 +105,11 @@ def sweep_sizes(max_bytes: int, min_bytes: int = 1024) -> List[int]:
 
 
 def sweep(device: torch.device, sizes: List[int], budget_s: float = 2.0) -> List[Dict[str, Any]]:
-    """Time all-reduces of each size on every rank: the slowest rank's times, their mean (as
-    nccl-tests reports it, and what a step pays: a small all-reduce here took 0.4 ms or 4 ms,
-    and the median of 20 put alpha anywhere in 83-1002 us on links whose small messages cost
-    the same) over up to :data:`MOST_REPEATS`, the median beside it; rank 0 gets the rows.
-    Example::
+    """Time all-reduces of each size on every rank, at least 3 times and until the size's share
+    of ``budget_s`` (``budget_s / len(sizes)``) is spent, at most :data:`MOST_REPEATS`; each
+    time the slowest rank's. A row: ``bytes``, ``seconds`` (the times' mean, as nccl-tests
+    reports it: what a step pays where a message is sometimes slow), ``algbw`` and ``busbw``
+    from it, ``median``, ``repeats``. Collective. Example::
 
         sweep(torch.device("cpu"), sweep_sizes(1 << 20))
     """
