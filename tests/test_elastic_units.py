@@ -195,14 +195,14 @@ def test_a_stranded_node_counts_as_waiting_and_the_group_takes_it_in(monkeypatch
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as ddpkit run sets it
     server = _store_server()
 
-    def node(name):
+    def node(name, attempts):
         store = TCPStore("127.0.0.1", server.port, is_master=False, multi_tenant=True,
                          timeout=timedelta(seconds=30))
         return DynamicRendezvousHandler.from_backend(
             "job", store, C10dRendezvousBackend(store, "job"), 2, 3, local_addr=name,
             timeout=RendezvousTimeout(join=timedelta(seconds=60),
                                       last_call=timedelta(seconds=1)),
-            keep_alive_interval=1, keep_alive_max_attempt=2)
+            keep_alive_interval=1, keep_alive_max_attempt=attempts)
 
     def join_all(nodes):
         sizes = {}
@@ -212,15 +212,19 @@ def test_a_stranded_node_counts_as_waiting_and_the_group_takes_it_in(monkeypatch
             t.start()
         return threads, sizes
 
-    a, b, c = node("a"), node("b"), node("c")
+    # A node drops the others whose last heartbeat is older than its own tolerance: a and b
+    # tolerate a minute (beside the whole suite on 2 cores a heartbeat came 2 s late, and a
+    # dropped b while both still joined round 0), c 5 s, so c alone drops a and b, when they
+    # have stopped heartbeating for 7 s on purpose.
+    a, b, c = node("a", 60), node("b", 60), node("c", 5)
     plain = DynamicRendezvousHandler.num_nodes_waiting
     with elastic.counting_stranded_nodes():
         threads, sizes = join_all([a, b])
         for t in threads:
             t.join(60)
         assert sizes == {a: 2, b: 2}
-        a._stop_heartbeats(), b._stop_heartbeats()  # starved: no heartbeat for > 2 x 1 s
-        time.sleep(3)
+        a._stop_heartbeats(), b._stop_heartbeats()  # starved: no heartbeat for > 5 x 1 s
+        time.sleep(7)
         late, joined = join_all([c])
         deadline = time.monotonic() + 30
         while a.num_nodes_waiting() == 0:

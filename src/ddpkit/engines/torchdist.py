@@ -43,6 +43,11 @@ class TorchEngine(Engine):
         name = init_process_group(env, device, backend, init_method, timeout)
         if name is not None and self._group():
             self._side = tdist.new_group(backend="gloo", timeout=timeout)
+            # gloo connects a group's mesh in its constructor, and a rank can be done with its
+            # side first: it went on, failed a config check (one line, exit 2) and left while a
+            # peer still connected, which then printed gloo's error and a peer-failure line
+            # beside rank 0's one line. No rank leaves set-up before every rank is connected.
+            tdist.barrier(group=self._side)
         return name
 
     def store(self) -> Any:
