@@ -165,7 +165,8 @@ def test_the_overlap_line_warns_when_the_all_reduce_takes_the_compute_cores():
 def test_the_sweep_reports_the_mean_a_step_pays_with_the_median_beside_it(monkeypatch):
     """A small all-reduce on a busy 2-core VM took either ~0.4 ms or ~4 ms: the median of its
     repeats lands on either mode, the mean is what a step pays. Each size is timed at least 3
-    times, then until its share of the budget is spent, at most MOST_REPEATS times."""
+    times, then until its share of the budget is spent, at most MOST_REPEATS times, the sizes
+    taking turns."""
     import types
 
     monkeypatch.setattr(cluster, "tdist", types.SimpleNamespace(
@@ -186,9 +187,18 @@ def test_the_sweep_reports_the_mean_a_step_pays_with_the_median_beside_it(monkey
     long, = cluster.sweep(torch.device("cpu"), [1024], budget_s=1e-4)
     assert long["repeats"] == 3 and long["seconds"] == pytest.approx(1.6e-3)   # at least 3
     calls.clear()
-    rows = cluster.sweep(torch.device("cpu"), [1024, 4096], budget_s=0.06)
-    # each size's share is 30 ms: 20 repeats spend 29.6 ms, the 21st (a slow one) passes it
-    assert [r["repeats"] for r in rows] == [21, 21] and calls == [256] * 21 + [1024] * 21
+    rows = cluster.sweep(torch.device("cpu"), [1024], budget_s=0.03)
+    # the share is 30 ms: 20 repeats spend 29.6 ms, the 21st (a slow one) passes it
+    assert [r["repeats"] for r in rows] == [21] and calls == [256] * 21
+    calls.clear()
+    # a slow phase of the host (the first 10 all-reduces) falls on both sizes alike: they take
+    # turns, where one after the other the first size took all of it
+    monkeypatch.setattr(cluster, "time_allreduce",
+                        lambda buffer: calls.append(buffer.numel()) or
+                        (4e-3 if len(calls) <= 10 else 4e-4))
+    rows = cluster.sweep(torch.device("cpu"), [1024, 4096], budget_s=1.0)
+    assert calls == [256, 1024] * MOST_REPEATS
+    assert rows[0]["seconds"] == rows[1]["seconds"] == pytest.approx((5 * 4e-3 + 55 * 4e-4) / 60)
 
 
 def test_a_link_whose_small_messages_take_hundreds_of_us_never_fits_alpha_0():

@@ -2,15 +2,24 @@
 (tests/netns.py) behind links shaped to 1 Gbit/s, 100 Mbit/s and 10 Mbit/s (issue 34, item 11).
 Root only.
 
-    python benchmarks/plan/vs_train_nodes.py --rates 1gbit,100mbit,10mbit --hooks none,bf16,auto
+    python benchmarks/plan/vs_train_nodes.py --rates 1gbit,100mbit,10mbit \
+        --hooks none,bf16,powersgd-batched,auto --runs 3 --plans 5 --epochs 8 --bucket 1600
 
 For each rate: ``ddpkit doctor`` measures the link between the two nodes (its JSON is plan's
 ``--link``), then plan's runs and train's runs take turns (plan on the host, one rank a node:
 ``--nodes 2 --nproc 1 --host-ranks 2``, the step timed on both nodes' ranks at once as
 they share this host's cores; train as ``ddpkit train --nnodes 2 --nproc 1`` on both nodes). Every
 rank runs one thread (OMP_NUM_THREADS=1): the two nodes share this host's two cores, one each,
-as two one-core machines would. Links below 1 Gbit/s are shaped strictly (every byte at the
-rate). Train's step is its median over epochs 2.. (the first holds warm-up and auto's measuring).
+as two one-core machines would. Every link is shaped strictly, every byte at the rate, as near
+as tbf comes to a wire (its bucket holds at least one packet, which passes at veth speed after an
+idle moment): at 1 Gbit/s and over 16 KB packets and a bucket of one (``--packet``; one-frame
+packets cost more CPU than 2 cores have, and tbf's default bucket, 4 ms of traffic = 500 KB, let
+a step's 123 KB of gradients through at veth speed: training paid 0.35-1 ms a step less than
+their bytes at the rate); from 100 Mbit/s one-frame packets (tbf's bucket ``--bucket``); below
+100 Mbit/s 576-byte frames and a bucket of one (``--slow-mtu``: a 1500-byte frame is 1.2 ms at
+10 Mbit/s, and a PowerSGD's 1.4 KB halves passed free; 576-byte frames at 100 Mbit/s cost more
+CPU than 2 cores have). Train's step is its median over epochs 2.. (the first holds warm-up and
+auto's measuring).
 """
 import argparse
 import json
@@ -25,11 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, HERE)
 
-from netns import Cluster  # noqa: E402
-from validate import strict  # noqa: E402
+from netns import Cluster, rate_bits  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-BUCKET = None  # --bucket: tbf's bucket in bytes on strictly shaped links
+BUCKET = None  # --bucket: tbf's bucket in bytes from 100 Mbit/s to 1 Gbit/s
+PACKET = 16384  # --packet: the packet cap (and bucket, with a frame) at 1 Gbit/s and over
+SLOW_MTU = 576  # --slow-mtu: the frames (and bucket, with 124 B) below 100 Mbit/s
 
 
 def on_nodes(rate, port, argv, launch, env=None):
@@ -37,9 +47,15 @@ def on_nodes(rate, port, argv, launch, env=None):
     ``train`` for the job); rank 0's node output."""
     with Cluster(2) as c:
         if rate != "none":
+            bits = rate_bits(rate)
             for i in range(2):
-                c.shape(i, rate, strict=strict("auto", rate),
-                        bucket=BUCKET if strict("auto", rate) else None)
+                if bits >= 1e9:
+                    c.shape(i, rate, strict=True, packet=PACKET, bucket=PACKET + 1514)
+                elif bits < 100e6 and SLOW_MTU:
+                    c.shape(i, rate, strict=True, packet=SLOW_MTU, bucket=SLOW_MTU + 124,
+                            mtu=SLOW_MTU)
+                else:
+                    c.shape(i, rate, strict=True, bucket=BUCKET)
         for i in range(2):
             c.start(i, [sys.executable, "-m", "ddpkit", launch, "--nnodes", "2", "--nproc", "1",
                         "--node-rank", str(i), "--rdzv-endpoint", f"{c.ip(0)}:{port}",
@@ -94,12 +110,18 @@ def main():
     p.add_argument("--plans", type=int, default=3, help="plan runs per rate")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--bucket", type=int, default=None,
-                   help="tbf's bucket in bytes on the strictly shaped links (default: 2 frames "
+                   help="tbf's bucket in bytes from 100 Mbit/s to 1 Gbit/s (default: 2 frames "
                         "or 1 ms of traffic); 1600 is one frame, the nearest tbf comes to a wire, "
                         "where a message's first frame is not free after an idle moment")
+    p.add_argument("--packet", type=int, default=16384,
+                   help="the packet cap in bytes at 1 Gbit/s and over, the bucket one packet and "
+                        "a frame (default 16384)")
+    p.add_argument("--slow-mtu", type=int, default=576,
+                   help="the MTU below 100 Mbit/s, the bucket one frame (default 576; 0: 1500 "
+                        "and --bucket)")
     args = p.parse_args()
-    global BUCKET
-    BUCKET = args.bucket
+    global BUCKET, PACKET, SLOW_MTU
+    BUCKET, PACKET, SLOW_MTU = args.bucket, args.packet, args.slow_mtu
     hooks, port, table = args.hooks.split(","), 29700, []
     with tempfile.TemporaryDirectory(prefix="ddpkit-vs-nodes-") as tmp:
         for rate in args.rates.split(","):

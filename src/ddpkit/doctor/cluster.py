@@ -107,26 +107,39 @@ def sweep_sizes(max_bytes: int, min_bytes: int = 1024) -> List[int]:
 def sweep(device: torch.device, sizes: List[int], budget_s: float = 2.0) -> List[Dict[str, Any]]:
     """Time all-reduces of each size on every rank, at least 3 times and until the size's share
     of ``budget_s`` (``budget_s / len(sizes)``) is spent, at most :data:`MOST_REPEATS`; each
-    time the slowest rank's. A row: ``bytes``, ``seconds`` (the times' mean, as nccl-tests
-    reports it: what a step pays where a message is sometimes slow), ``algbw`` and ``busbw``
-    from it, ``median``, ``repeats``. Collective. Example::
+    time the slowest rank's. The sizes take turns (one all-reduce of each size a round, a size
+    leaving the rounds when it is done), so a slow phase of the host falls on all of them alike:
+    timed one size after another, the first small size alone took 1.8-2.5 ms on average where
+    the next two took 0.5-0.6, and the latency fitted from them moved 225-991 us between runs on
+    one link. A row: ``bytes``, ``seconds`` (the times' mean, as nccl-tests reports it: what a
+    step pays where a message is sometimes slow), ``algbw`` and ``busbw`` from it, ``median``,
+    ``repeats``. Collective. Example::
 
         sweep(torch.device("cpu"), sweep_sizes(1 << 20))
     """
     world = tdist.get_world_size()
-    rows = []
-    for size in sizes:
-        buffer = torch.ones(size // 4, device=device)
+    buffers = [torch.ones(size // 4, device=device) for size in sizes]
+    for buffer in buffers:
         for _ in range(3):  # warm-up: buffers, connections, caches
             tdist.all_reduce(buffer)
-        times: List[float] = []
-        while len(times) < 3 or (len(times) < MOST_REPEATS and
-                                 sum(times) < budget_s / len(sizes)):
-            times.append(time_allreduce(buffer))  # the same on every rank: they all loop alike
-        seconds = sum(times) / len(times)
+    times: List[List[float]] = [[] for _ in sizes]
+    share = budget_s / len(sizes)
+
+    def more(mine: List[float]) -> bool:
+        return len(mine) < 3 or (len(mine) < MOST_REPEATS and sum(mine) < share)
+
+    while True:  # every rank decides alike: they all see the same (slowest rank's) times
+        active = [i for i, mine in enumerate(times) if more(mine)]
+        if not active:
+            break
+        for i in active:
+            times[i].append(time_allreduce(buffers[i]))
+    rows = []
+    for size, mine in zip(sizes, times):
+        seconds = sum(mine) / len(mine)
         algbw, busbw = bandwidths(size, world, seconds)
         rows.append({"bytes": size, "seconds": seconds, "algbw": algbw, "busbw": busbw,
-                     "median": sorted(times)[len(times) // 2], "repeats": len(times)})
+                     "median": sorted(mine)[len(mine) // 2], "repeats": len(mine)})
     return rows
 
 
