@@ -27,6 +27,36 @@ def test_ring_allreduce_is_two_n_minus_one_latencies_plus_the_bus_bytes():
     assert (algbw, busbw) == (2e9, 3.5e9)
 
 
+def test_a_measured_link_charges_what_its_sweep_took_at_that_size(tmp_path, capsys):
+    """Alpha and beta are a line through a curve: a step's 123 KB all-reduce between 2 shaped
+    1 Gbit/s nodes falls between the sweep's 64 and 256 KB points, which the line missed by
+    0.6 ms. With doctor's sweep an all-reduce costs what the sweep measured at its size, the
+    ring's chunks matched on another number of ranks: t_N(B) = (N-1)/(R-1) t_R(R B / N)."""
+    sweep = ((1024, 2.0e-3), (65536, 2.2e-3), (262144, 3.8e-3))
+    link = Link("swept", 1e-3, 100e6, sweep=sweep, sweep_ranks=2)
+    assert ring_allreduce_seconds(65536, 2, link) == pytest.approx(2.2e-3)       # measured
+    assert ring_allreduce_seconds(163840, 2, link) == pytest.approx(3.0e-3)      # between
+    assert ring_allreduce_seconds(100, 2, link) == pytest.approx(2.0e-3)         # the floor
+    assert ring_allreduce_seconds(262144 + 1e6, 2, link) == pytest.approx(3.8e-3 + 1e6 / 100e6)
+    assert ring_allreduce_seconds(131072, 2, link, calls=2) == pytest.approx(2 * 2.2e-3)
+    assert ring_allreduce_seconds(131072, 4, link) == pytest.approx(3 * 2.2e-3)  # 3 x t_2(B/2)
+    assert ring_allreduce_seconds(131072, 1, link) == 0.0
+    # the alpha-beta line without a sweep, as before
+    assert ring_allreduce_seconds(65536, 2, Link("line", 1e-3, 100e6)) == \
+        pytest.approx(2e-3 + 65536 / 100e6)
+    from ddpkit.cli.plan import parse_link     # plan --link doctor.json reads the sweep
+    doctor = tmp_path / "doctor.json"
+    doctor.write_text(json.dumps({"ranks": 2, "link": {"alpha": 1e-3, "beta": 1e8, "ranks": 2},
+                                  "sweep": [{"bytes": b, "seconds": t} for b, t in sweep]}))
+    read = parse_link(str(doctor))
+    assert read.sweep == tuple((float(b), t) for b, t in sweep) and read.sweep_ranks == 2
+    assert ring_allreduce_seconds(163840, 2, read) == pytest.approx(3.0e-3)
+    assert main(["plan", "--params", "1e6", "--compute-ms", "5", "--nodes", "2",
+                 "--link", str(doctor)]) == 0
+    assert "an all-reduce what its sweep took at its size (3 sizes on 2 ranks)" in \
+        capsys.readouterr().out
+
+
 def test_fitting_a_sweep_recovers_the_link_it_came_from():
     link = Link("made", alpha=37e-6, beta=2.5e8)
     sizes = [2 ** k for k in range(10, 29, 2)]

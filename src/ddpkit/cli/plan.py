@@ -80,9 +80,13 @@ def parse_link(text: str):  # -> Link
     if os.path.isfile(text):
         try:
             with open(text) as f:
-                link = json.load(f)["link"]
+                report = json.load(f)
+            link = report["link"]
+            sweep = tuple((float(r["bytes"]), float(r["seconds"]))
+                          for r in report.get("sweep", ()) if float(r["seconds"]) > 0)
             return Link(f"measured ({text})", float(link["alpha"]), float(link["beta"]),
-                        float(link.get("overlap", 1.0)))
+                        float(link.get("overlap", 1.0)), sweep=sweep if len(sweep) >= 2 else (),
+                        sweep_ranks=int(link.get("ranks", report.get("ranks", 0)) or 0))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"--link {text}: not a ddpkit doctor --json report with a "
                               f"measured link ({exc})") from None

@@ -66,6 +66,8 @@ def assumptions(work: Workload, link: Link, measured: Measured, inside: Link) ->
             f"between nodes: {link.name}, alpha {1e6 * link.alpha:.1f} us, beta "
             f"{link.beta / 1e6:.1f} MB/s" + (f", overlap {link.overlap:.2f} (measured)"
                                             if link.overlap != 1.0 else "") +
+            (f", an all-reduce what its sweep took at its size ({len(link.sweep)} sizes on "
+             f"{link.sweep_ranks} ranks)" if link.sweep and link.sweep_ranks >= 2 else "") +
             f"; inside a node: {inside.name}" + (f", alpha {1e6 * inside.alpha:.1f} us, beta "
                                                  f"{inside.beta / 1e6:.1f} MB/s"
                                                  if inside.name != link.name else ""),
