@@ -462,7 +462,8 @@ class Cluster:
         one-frame packets cost more CPU than 2 cores have, and a bucket of one 16 KB packet
         charges a 123 KB gradient's bytes where tbf's default 500 KB let it pass at veth speed.
         ``mtu`` sets the link's MTU (both ends of the node's cable): with smaller frames less of
-        a message passes free in the bucket's one packet.
+        a message passes free in the bucket's one packet. ``bucket`` must hold one ``packet``
+        (and its header); the MTU, like the packet cap, stays after the limit is removed.
 
         Example::
 

@@ -199,6 +199,16 @@ def test_the_sweep_reports_the_mean_a_step_pays_with_the_median_beside_it(monkey
     rows = cluster.sweep(torch.device("cpu"), [1024, 4096], budget_s=1.0)
     assert calls == [256, 1024] * MOST_REPEATS
     assert rows[0]["seconds"] == rows[1]["seconds"] == pytest.approx((5 * 4e-3 + 55 * 4e-4) / 60)
+    calls.clear()
+    # a size leaves the rounds when it is done, the others go on: 30 ms a size, the small one
+    # reaches the cap (60 x 0.4 ms), the large one its share (8 x 4 ms)
+    monkeypatch.setattr(cluster, "time_allreduce",
+                        lambda buffer: calls.append(buffer.numel()) or
+                        (4e-4 if buffer.numel() == 256 else 4e-3))
+    rows = cluster.sweep(torch.device("cpu"), [1024, 4096], budget_s=0.06)
+    assert [r["repeats"] for r in rows] == [MOST_REPEATS, 8]
+    assert calls == [256, 1024] * 8 + [256] * (MOST_REPEATS - 8)
+    assert cluster.sweep(torch.device("cpu"), [], budget_s=1.0) == []
 
 
 def test_a_link_whose_small_messages_take_hundreds_of_us_never_fits_alpha_0():

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ddpkit.cli import main
-from ddpkit.cost.model import (LINKS, Link, bandwidths, buckets, fit_link, hook_cost,
-                              ring_allreduce_seconds, step_time)
+from ddpkit.cost.model import (LINKS, Link, allreduce_seconds, bandwidths, buckets, fit_link,
+                              hook_cost, ring_allreduce_seconds, step_time)
 from ddpkit.cost.measure import Timing, repeat_timing, workload_of
 from ddpkit.errors import ConfigError
 from ddpkit.plan.measure import job_input, parse_shape, rank_threads
@@ -41,6 +41,16 @@ def test_a_measured_link_charges_what_its_sweep_took_at_that_size(tmp_path, caps
     assert ring_allreduce_seconds(131072, 2, link, calls=2) == pytest.approx(2 * 2.2e-3)
     assert ring_allreduce_seconds(131072, 4, link) == pytest.approx(3 * 2.2e-3)  # 3 x t_2(B/2)
     assert ring_allreduce_seconds(131072, 1, link) == 0.0
+    on4 = Link("swept on 4", 1e-3, 100e6, sweep=sweep, sweep_ranks=4)   # N < R and N > R
+    assert ring_allreduce_seconds(32768, 2, on4) == pytest.approx(2.2e-3 / 3)   # t_4(2B) / 3
+    assert ring_allreduce_seconds(131072, 8, on4) == pytest.approx(7 / 3 * 2.2e-3)  # t_4(B/2)
+    # a per-tensor PowerSGD's calls differ in size: each is charged at its own
+    cost = hook_cost("powersgd", [(1024, 1024), (1024,)], rank=4)
+    assert cost.sizes == (4096.0, 16384.0, 16384.0) and cost.calls == 3
+    assert allreduce_seconds(cost, 2, link) == pytest.approx(sum(
+        ring_allreduce_seconds(size, 2, link) for size in cost.sizes))
+    assert allreduce_seconds(cost, 2, Link("line", 1e-3, 100e6)) == pytest.approx(
+        ring_allreduce_seconds(cost.bytes, 2, Link("line", 1e-3, 100e6), calls=3))
     # the alpha-beta line without a sweep, as before
     assert ring_allreduce_seconds(65536, 2, Link("line", 1e-3, 100e6)) == \
         pytest.approx(2e-3 + 65536 / 100e6)
@@ -51,6 +61,13 @@ def test_a_measured_link_charges_what_its_sweep_took_at_that_size(tmp_path, caps
     read = parse_link(str(doctor))
     assert read.sweep == tuple((float(b), t) for b, t in sweep) and read.sweep_ranks == 2
     assert ring_allreduce_seconds(163840, 2, read) == pytest.approx(3.0e-3)
+    for rows in ([{"bytes": 1024, "seconds": 0.0}, {"bytes": 4096, "seconds": float("inf")},
+                  {"bytes": 65536, "seconds": 2e-3}], None):   # too few usable rows: the line
+        doctor.write_text(json.dumps({"ranks": 2, "link": {"alpha": 1e-3, "beta": 1e8,
+                                                           "ranks": 2}, "sweep": rows}))
+        assert parse_link(str(doctor)).sweep == ()
+    doctor.write_text(json.dumps({"ranks": 2, "link": {"alpha": 1e-3, "beta": 1e8, "ranks": 2},
+                                  "sweep": [{"bytes": b, "seconds": t} for b, t in sweep]}))
     assert main(["plan", "--params", "1e6", "--compute-ms", "5", "--nodes", "2",
                  "--link", str(doctor)]) == 0
     assert "an all-reduce what its sweep took at its size (3 sizes on 2 ranks)" in \

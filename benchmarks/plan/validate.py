@@ -12,6 +12,7 @@ every byte at the rate). The link is the named one (line rate x 0.94, 50 us) or 
 ddpkit doctor measures between the nodes.
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ from netns import Cluster, rate_bits  # noqa: E402
 
 from ddpkit.cost.measure import measure_flops, workload_of  # noqa: E402
 from ddpkit.plan.predict import predict  # noqa: E402
+from ddpkit.cli.plan import parse_link  # noqa: E402
 from ddpkit.cost.model import LINKS, Link  # noqa: E402
 
 sys.path.insert(0, HERE)
@@ -91,9 +93,8 @@ def doctor_link(nodes, rate, port, tmp, strict):
     run_on_nodes(nodes, rate, port, ["-m", "ddpkit.doctor", "--max-bytes", largest,
                                      "--json", report], strict=strict,
                  env={"OMP_NUM_THREADS": "1"})
-    with open(report) as f:
-        link = json.load(f)["link"]
-    return Link(f"doctor ({rate})", link["alpha"], link["beta"], link.get("overlap", 1.0))
+    # as plan --link reads it: alpha, beta, overlap and the sweep's own times
+    return dataclasses.replace(parse_link(report), name=f"doctor ({rate})")
 
 
 def main():

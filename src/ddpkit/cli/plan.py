@@ -83,7 +83,8 @@ def parse_link(text: str):  # -> Link
                 report = json.load(f)
             link = report["link"]
             sweep = tuple((float(r["bytes"]), float(r["seconds"]))
-                          for r in report.get("sweep", ()) if float(r["seconds"]) > 0)
+                          for r in report.get("sweep") or ()
+                          if 0 < float(r["seconds"]) < math.inf and float(r["bytes"]) > 0)
             return Link(f"measured ({text})", float(link["alpha"]), float(link["beta"]),
                         float(link.get("overlap", 1.0)), sweep=sweep if len(sweep) >= 2 else (),
                         sweep_ranks=int(link.get("ranks", report.get("ranks", 0)) or 0))

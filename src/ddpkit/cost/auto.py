@@ -36,8 +36,8 @@ from torch import nn
 
 from .measure import probe_link, time_hooks, workload_of
 from .trial import HookTrial, dispatch
-from .model import (GAIN, LOWRANK_GAIN, Link, hook_cost, lowrank,
-                    ring_allreduce_seconds, step_time)
+from .model import (GAIN, LOWRANK_GAIN, Link, allreduce_seconds, hook_cost, lowrank,
+                    step_time)
 
 __all__ = ["Choice", "choose", "measure_step", "install", "choice_of", "OPTIONS",
            "POWERSGD_RANKS", "BATCHED_RANKS", "FLOOR_S", "runner_up", "TRIAL_FACTOR"]
@@ -312,7 +312,7 @@ def _decide(module: nn.Module, args: Any, kwargs: Any, bucket_cap_mb: float,
     # Over the real link too, where a step of the hook alone is short: what it costs there
     # beyond the link's alpha-beta time (its rounds' hand-offs, contention) is its cost as well.
     for hook, r in hooks:
-        modeled = sum(ring_allreduce_seconds(c.bytes, ranks, link, c.calls) for c in
+        modeled = sum(allreduce_seconds(c, ranks, link) for c in
                       (hook_cost(hook, shapes, max(r, 1)) for shapes in work.bucket_shapes))
         if modeled < REAL_BUDGET_S:  # the same on every rank: the link is agreed
             real = time_hooks(work.bucket_shapes, [(hook, r)], make, device)[(hook, r)]

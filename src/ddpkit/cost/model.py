@@ -3,6 +3,8 @@ alpha-beta cost of a ring all-reduce, DDP's gradient buckets overlapped with the
 and what each comm hook sends and costs.
 
     ring all-reduce of B bytes on N ranks     t = 2(N-1) alpha + 2(N-1)/N * B / beta
+    ... with doctor's sweep (R ranks)         t = (N-1)/(R-1) t_R(R B / N), t_R interpolated
+                                              between the sweep's measured sizes
     nccl-tests' bandwidths                    algbw = B / t,  busbw = algbw * 2(N-1)/N
     a DDP step                                forward, then backward producing the buckets in
                                               reverse order (ready in proportion to their bytes),
@@ -35,8 +37,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["Link", "LINKS", "ring_allreduce_seconds", "bandwidths", "fit_link", "buckets",
-           "HookCost", "hook_cost", "square_side", "StepTime", "step_time", "FIRST_BUCKET",
-           "BUCKET_CAP", "GAIN", "LOWRANK_GAIN", "lowrank", "DEFAULT_RANKS"]
+           "HookCost", "allreduce_seconds", "hook_cost", "square_side", "StepTime", "step_time",
+           "FIRST_BUCKET", "BUCKET_CAP", "GAIN", "LOWRANK_GAIN", "lowrank", "DEFAULT_RANKS"]
 
 #: DDP's bucket sizes: the first bucket is small so communication starts early.
 FIRST_BUCKET = 1 << 20
@@ -106,10 +108,10 @@ def ring_allreduce_seconds(nbytes: float, ranks: int, link: Link, calls: int = 1
     A link with doctor's sweep (measured on R ranks) charges each call what the sweep measured
     for the size whose ring moves the same chunks: a ring on N ranks takes 2(N-1) steps of B/N
     bytes, one on R ranks 2(R-1) steps of X/R, so t_N(B) = (N-1)/(R-1) t_R(R B / N), t_R
-    interpolated between the sweep's sizes (the smallest's time below them, its bandwidth beyond
-    the largest). Fitted alpha and beta are a line through a curve: on a shaped 1 Gbit/s link
-    between 2 namespaced nodes the sweep's 64 and 256 KB took 2.2 and 3.8 ms, so 123 KB about
-    2.7 ms, where alpha + bytes / beta said 3.3 ms.
+    interpolated between the sweep's sizes (the smallest's time below them, the largest's plus
+    the rest of the bytes at the fitted beta beyond it). Fitted alpha and beta are a line
+    through a curve: on a shaped 1 Gbit/s link between 2 namespaced nodes the sweep's 64 and
+    256 KB took 2.2 and 3.8 ms, so 123 KB about 2.7 ms, where alpha + bytes / beta said 3.3.
 
     Example::
 
@@ -211,26 +213,42 @@ def buckets(tensor_bytes: Sequence[int], cap: int = BUCKET_CAP,
 
 @dataclass(frozen=True)
 class HookCost:
-    """What a hook sends for one bucket and what it computes. Example::
+    """What a hook sends for one bucket and what it computes; ``sizes``, where its calls differ
+    in size, each call's bytes (see :func:`allreduce_seconds`). Example::
 
-        hook_cost("bf16", [(512, 512)])   # HookCost(bytes=524288, calls=1, flops=0)
+        hook_cost("bf16", [(512, 512)])   # HookCost(bytes=524288, calls=1, flops=0, sizes=())
     """
 
     bytes: float
     calls: int
     flops: float
+    sizes: Tuple[float, ...] = ()
 
 
-def _powersgd(shape: Tuple[int, ...], rank: int) -> Tuple[float, float, bool]:
-    """(floats sent, flops, compressed?) for one gradient tensor."""
+def allreduce_seconds(cost: HookCost, ranks: int, link: Link) -> float:
+    """Time of the all-reduces a hook makes for one bucket: call by call where their sizes
+    differ (a measured sweep is a curve: charged at their average size, a per-tensor PowerSGD's
+    large uncompressed call and small P and Q came out 9% low), else ``calls`` equal parts.
+
+    Example::
+
+        allreduce_seconds(hook_cost("powersgd", [(1024, 1024), (1024,)]), 4, LINKS["1gbit"])
+    """
+    if cost.sizes:
+        return sum(ring_allreduce_seconds(size, ranks, link) for size in cost.sizes)
+    return ring_allreduce_seconds(cost.bytes, ranks, link, cost.calls)
+
+
+def _powersgd(shape: Tuple[int, ...], rank: int) -> Tuple[float, float, bool, float]:
+    """(floats sent, flops, compressed?, floats of P) for one gradient tensor."""
     numel = math.prod(shape)
     if len(shape) < 2:
-        return numel, 0.0, False
+        return numel, 0.0, False, 0.0
     m, n = shape[0], numel // shape[0]
     r = min(rank, m, n)
     if m * n < 2 * (m + n) * r:  # torch's min_compression_rate = 2: not worth compressing
-        return numel, 0.0, False
-    return (m + n) * r, 4.0 * m * n * r + 2.0 * m * r * r, True
+        return numel, 0.0, False, 0.0
+    return (m + n) * r, 4.0 * m * n * r + 2.0 * m * r * r, True, m * r
 
 
 def square_side(numel: int) -> int:
@@ -266,10 +284,14 @@ def hook_cost(hook: str, shapes: Sequence[Tuple[int, ...]], rank: int = 2) -> Ho
                          "powersgd-batched")
     parts = [_powersgd(tuple(s), rank) for s in shapes]
     floats = sum(p[0] for p in parts)
-    compressed = any(p[2] for p in parts)
     # torch's hook: the uncompressed tensors in one all-reduce, then P, then Q
-    calls = (2 if compressed else 0) + (1 if not all(p[2] for p in parts) else 0)
-    return HookCost(4.0 * floats, calls, sum(p[1] for p in parts))
+    plain = sum(p[0] for p in parts if not p[2])
+    p_floats = sum(p[3] for p in parts if p[2])
+    q_floats = sum(p[0] - p[3] for p in parts if p[2])
+    sizes = tuple(4.0 * f for f, there in ((plain, any(not p[2] for p in parts)),
+                                           (p_floats, any(p[2] for p in parts)),
+                                           (q_floats, any(p[2] for p in parts))) if there)
+    return HookCost(4.0 * floats, len(sizes), sum(p[1] for p in parts), sizes)
 
 
 @dataclass(frozen=True)
@@ -312,7 +334,7 @@ def step_time(compute_s: float, bucket_shapes: Sequence[Sequence[Tuple[int, ...]
     for cost, numel in zip(costs, grads):
         share = numel / total_grads
         ready += (backward + extra / 2) * share   # the hook's compressing half, inline
-        seconds = ring_allreduce_seconds(cost.bytes, ranks, link, cost.calls)
+        seconds = allreduce_seconds(cost, ranks, link)
         done = max(ready, done) + seconds + extra / 2 * share
         comm += seconds
     if ranks <= 1:

@@ -107,16 +107,20 @@ def sweep_sizes(max_bytes: int, min_bytes: int = 1024) -> List[int]:
 def sweep(device: torch.device, sizes: List[int], budget_s: float = 2.0) -> List[Dict[str, Any]]:
     """Time all-reduces of each size on every rank, at least 3 times and until the size's share
     of ``budget_s`` (``budget_s / len(sizes)``) is spent, at most :data:`MOST_REPEATS`; each
-    time the slowest rank's. The sizes take turns (one all-reduce of each size a round, a size
-    leaving the rounds when it is done), so a slow phase of the host falls on all of them alike:
-    timed one size after another, the first small size alone took 1.8-2.5 ms on average where
-    the next two took 0.5-0.6, and the latency fitted from them moved 225-991 us between runs on
-    one link. A row: ``bytes``, ``seconds`` (the times' mean, as nccl-tests reports it: what a
-    step pays where a message is sometimes slow), ``algbw`` and ``busbw`` from it, ``median``,
-    ``repeats``. Collective. Example::
+    time the slowest rank's. The sizes take turns (one all-reduce of each size a round, smallest
+    first, a size leaving the rounds when it is done), so a slow phase of the host falls on all
+    of them alike: timed one size after another, the first small size alone took 1.8-2.5 ms on
+    average where the next two took 0.5-0.6, and the latency fitted from them moved 225-991 us
+    between runs on one link. A small size now follows the largest, as in a step a small
+    message follows compute, and costs what it costs there (the fitted alpha came out higher:
+    1086-1349 us on that link). A row: ``bytes``, ``seconds`` (the times' mean, as nccl-tests
+    reports it: what a step pays where a message is sometimes slow), ``algbw`` and ``busbw``
+    from it, ``median``, ``repeats``. Collective. Example::
 
         sweep(torch.device("cpu"), sweep_sizes(1 << 20))
     """
+    if not sizes:
+        return []
     world = tdist.get_world_size()
     buffers = [torch.ones(size // 4, device=device) for size in sizes]
     for buffer in buffers:
