@@ -89,6 +89,11 @@ class Link:
     sweep: Tuple[Tuple[float, float], ...] = ()
     sweep_ranks: int = 0
 
+    @property
+    def swept(self) -> bool:
+        """Whether all-reduces are charged from :attr:`sweep` (else alpha and beta)."""
+        return bool(self.sweep) and self.sweep_ranks >= 2
+
 
 def _ethernet(name: str, bits_per_s: float, alpha: float = 50e-6) -> Link:
     # TCP over Ethernet carries ~94% of the line rate as payload (1448 of 1538 bytes a frame)
@@ -119,7 +124,7 @@ def ring_allreduce_seconds(nbytes: float, ranks: int, link: Link, calls: int = 1
     """
     if ranks <= 1:
         return 0.0
-    if link.sweep and link.sweep_ranks >= 2:
+    if link.swept:
         per_call = nbytes / max(calls, 1)
         size = link.sweep_ranks * per_call / ranks
         return calls * (ranks - 1) / (link.sweep_ranks - 1) * _swept(link, size)
@@ -285,12 +290,10 @@ def hook_cost(hook: str, shapes: Sequence[Tuple[int, ...]], rank: int = 2) -> Ho
     parts = [_powersgd(tuple(s), rank) for s in shapes]
     floats = sum(p[0] for p in parts)
     # torch's hook: the uncompressed tensors in one all-reduce, then P, then Q
-    plain = sum(p[0] for p in parts if not p[2])
-    p_floats = sum(p[3] for p in parts if p[2])
-    q_floats = sum(p[0] - p[3] for p in parts if p[2])
-    sizes = tuple(4.0 * f for f, there in ((plain, any(not p[2] for p in parts)),
-                                           (p_floats, any(p[2] for p in parts)),
-                                           (q_floats, any(p[2] for p in parts))) if there)
+    plain = [p for p in parts if not p[2]]
+    low = [p for p in parts if p[2]]
+    sizes = ((4.0 * sum(p[0] for p in plain),) if plain else ()) + \
+        ((4.0 * sum(p[3] for p in low), 4.0 * sum(p[0] - p[3] for p in low)) if low else ())
     return HookCost(4.0 * floats, len(sizes), sum(p[1] for p in parts), sizes)
 
 

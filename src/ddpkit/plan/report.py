@@ -15,10 +15,10 @@ from .predict import Row, recommend
 __all__ = ["table", "advice", "assumptions", "as_json"]
 
 
-
-def _swept(link) -> str:
+def _sweep_note(link: Link) -> str:
     return (f", an all-reduce what its sweep took at its size ({len(link.sweep)} sizes on "
-            f"{link.sweep_ranks} ranks)") if link.sweep and link.sweep_ranks >= 2 else ""
+            f"{link.sweep_ranks} ranks)") if link.swept else ""
+
 
 def table(rows: Sequence[Row]) -> str:
     """Aligned text. Example::
@@ -71,9 +71,9 @@ def assumptions(work: Workload, link: Link, measured: Measured, inside: Link) ->
             f"between nodes: {link.name}, alpha {1e6 * link.alpha:.1f} us, beta "
             f"{link.beta / 1e6:.1f} MB/s" + (f", overlap {link.overlap:.2f} (measured)"
                                             if link.overlap != 1.0 else "") +
-            _swept(link) +
+            _sweep_note(link) +
             f"; inside a node: {inside.name}" + (f", alpha {1e6 * inside.alpha:.1f} us, beta "
-                                                 f"{inside.beta / 1e6:.1f} MB/s" + _swept(inside)
+                                                 f"{inside.beta / 1e6:.1f} MB/s" + _sweep_note(inside)
                                                  if inside.name != link.name else ""),
             "ring all-reduce; each hook's own compute per step: the hook as DDP runs it, timed "
             "here on the gradients' shapes as the compute was, half inline, half after its "
