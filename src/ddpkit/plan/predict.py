@@ -105,9 +105,10 @@ def recommend(rows: Sequence[Row], slow: Sequence[Row] = ()) -> Dict[int, Tuple[
     first in :data:`HOOKS` order within 5% of the fastest, as ``comm_hook="auto"`` chooses (the
     simpler, then the finer approximation, where the difference is within the model's noise;
     "none" when plain all-reduce is within 5%). ``slow``: the same rows predicted at the slow
-    end of the measured compute; a simpler hook within 5% of the fastest there is kept too, so
-    a finer one is picked only for a gain that holds over the compute's spread (a gain of 4-6%
-    flipped the pick between runs whose medians differed by 2 ms). A PowerSGD is picked only
+    end of the measured compute (its 90th percentile, not its slowest step, an outlier); a
+    simpler hook within 5% of the fastest there is kept too, so a finer one is picked only for
+    a gain that holds over the compute's spread (a gain of 4-6% flipped the pick between runs
+    whose medians differed by 2 ms). A PowerSGD is picked only
     when it is also :data:`~ddpkit.cost.model.LOWRANK_GAIN` (15%) faster than none and bf16,
     at the median and at the slow end; else the best of those two.
 
