@@ -291,9 +291,6 @@ def test_a_timing_is_a_median_of_repeats_after_a_warm_up_with_its_spread():
     five = Timing.of([0.030, 0.010, 0.012, 0.011, 0.855])
     assert (five.median, five.low, five.high) == (0.012, 0.010, 0.855)
     assert str(five) == "12.0 ms (median of 5, min-max 10.0-855.0 ms)"
-    assert five.p90 == 0.855                   # nearest rank: of 5, the slowest
-    twenty = Timing.of([i / 1e3 for i in range(1, 20)] + [9.0])
-    assert (twenty.p90, twenty.high) == (0.018, 9.0)   # one outlier moves the max alone
     assert Timing.of([0.001, 0.003]).median == pytest.approx(0.002)
     assert str(Timing.of([0.00042])) == "0.42 ms (median of 1, min-max 0.42-0.42 ms)"
 
@@ -325,8 +322,10 @@ def test_a_powersgd_is_recommended_only_when_it_is_fifteen_percent_faster_than_b
                 Row(2, 2, "powersgd-batched", step, batched, 1.0)]
     for faster, pick in ((1.05, "bf16"), (1.11, "bf16"), (1.16, "powersgd-batched")):
         assert recommend(rows(120.0, 120.0 * faster))[2][0] == pick, faster
-    # and at the slow end of the compute too: 20% at the median, 10% there
-    assert recommend(rows(120.0, 144.0), rows(110.0, 121.0)) == {2: ("bf16", pytest.approx(0.2))}
+    # and a gain beyond the noise (5%) at the slow end of the compute too: 20% at the median,
+    # 4% there; 10% there is enough (15% at the slowest step alone was a lottery)
+    assert recommend(rows(120.0, 144.0), rows(110.0, 114.4)) == {2: ("bf16", pytest.approx(0.2))}
+    assert recommend(rows(120.0, 144.0), rows(110.0, 121.0))[2][0] == "powersgd-batched"
     # with bf16 not worth its 5% either: plain all-reduce
     assert recommend(rows(102.0, 112.0)) == {2: ("none", 0.0)}
 
@@ -348,16 +347,15 @@ def test_a_hook_is_recommended_only_for_a_gain_that_holds_over_the_computes_spre
     assert recommend(predict(work, [2], far), predict(later, [2], far))[2][0] != "none"
 
 
-def test_the_slow_end_is_the_computes_90th_percentile_not_its_one_slowest_step(
-        tmp_path, monkeypatch):
+def test_a_powersgds_pick_does_not_hang_on_the_one_slowest_step(tmp_path, monkeypatch):
     """Two runs of plan at 100 Mbit/s whose 60 timed steps differ only in the slowest one
-    (12 and 18 ms, a core's wait or two on a 2-core host): the slow end is the 90th percentile,
-    so both recommend the same hook (with the slowest step, the batched PowerSGD's 15% over
-    bf16 held in one and not in the other)."""
+    (12 and 18 ms, a core's wait or two on a 2-core host) recommend the same hook: the batched
+    PowerSGD is 15% faster than bf16 at the median and beyond the noise (5%) at the slowest
+    step in both. Asked for 15% at the slowest step too, it held in one run and not the other."""
     import ddpkit.cli.plan as cli_plan
-    from ddpkit.plan.measure import Measured
+    from ddpkit.plan.measure import Measured, job_workload
+    from ddpkit.plan.predict import _pays
 
-    from ddpkit.plan.measure import job_workload
     inp = job_input("small_cnn")
     work = job_workload("small_cnn", inp, 32, 0.0)
     hooks = {"bf16": Timing.of([1.3e-4]), "powersgd": Timing.of([1.1e-3]),
@@ -366,10 +364,10 @@ def test_the_slow_end_is_the_computes_90th_percentile_not_its_one_slowest_step(
     link.write_text(json.dumps({"ranks": 2, "link": {"alpha": 864e-6, "beta": 10.9e6}}))
     usual = [0.0045 + 0.0001 * (i % 20) for i in range(53)] + [0.0075, 0.008, 0.0082,
                                                                 0.0085, 0.009, 0.0095]
-    picks = []
+    picks, strict = [], []
     for slowest in (0.012, 0.018):
         compute = Timing.of(usual + [slowest])
-        assert (compute.count, compute.p90, compute.high) == (60, 0.0075, slowest)
+        assert (compute.count, compute.high) == (60, slowest)
         measured = Measured(inp, 1, "cpu", 1, compute=compute, hooks=hooks)
         monkeypatch.setattr(cli_plan, "_measure", lambda *a, m=measured: (
             dataclasses.replace(work, compute_s=m.compute.median), m))
@@ -377,14 +375,12 @@ def test_the_slow_end_is_the_computes_90th_percentile_not_its_one_slowest_step(
         assert main(["plan", "--nodes", "2", "--nproc", "1", "--link", str(link),
                      "--json", str(out)]) == 0
         picks.append(json.loads(out.read_text())["recommendation"]["2"]["hook"])
-        # what the slowest step alone would have decided
-        at = [predict(dataclasses.replace(work, compute_s=c), [2],
-                      cli_plan.parse_link(str(link)),
-                      hook_seconds={h: t.median for h, t in hooks.items()})
-              for c in (compute.median, slowest)]
-        picks.append(recommend(*at)[2][0])
-    assert picks[0] == picks[2] == "powersgd-batched"
-    assert picks[1] != picks[3]          # the slowest step alone: one run each way
+        at_slowest = predict(dataclasses.replace(work, compute_s=slowest), [2],
+                             cli_plan.parse_link(str(link)),
+                             hook_seconds={h: t.median for h, t in hooks.items()})
+        strict.append(_pays("powersgd-batched", at_slowest, 0.15))
+    assert picks == ["powersgd-batched", "powersgd-batched"]
+    assert strict == [True, False]       # 15% at the slowest step: one run each way
 
 
 def test_one_nodes_rows_are_its_measured_step_and_each_hooks_modelled_difference():

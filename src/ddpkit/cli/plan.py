@@ -141,10 +141,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
 
     timed_node = measured.node
     rows = rows_at(work.compute_s, timed_node.median if timed_node else None)
-    # a hook is recommended for a gain that holds at the slow end of the measured compute too:
-    # its 90th percentile (the slowest step alone is an outlier: at 100 Mbit/s it moved the
-    # pick between bf16 and the batched PowerSGD from run to run)
-    slow = rows_at(measured.compute.p90, timed_node.p90 if timed_node else None) \
+    # a hook is recommended for a gain that holds at the slow end of the measured compute too
+    slow = rows_at(measured.compute.high, timed_node.high if timed_node else None) \
         if measured.compute is not None else []
     print(table(rows))
     for line in advice(rows, ns.powersgd_rank, slow):

@@ -54,11 +54,8 @@ def workload_of(model: nn.Module, compute_s: float, batch: int, name: str = "mod
 
 @dataclass(frozen=True)
 class Timing:
-    """Seconds of one thing timed several times: the median, the spread (min-max) that says
-    how far one timing could have been from it, and the 90th percentile (nearest rank), the
-    slow end of the usual timings: the slowest alone is one outlier (on a 2-core host the
-    slowest of 40-80 steps of 5 ms came out 8.7-14.8 ms, the 90th percentile 7.7-9.4).
-    Example::
+    """Seconds of one thing timed several times: the median, and the spread (min-max) that says
+    how far one timing could have been from it. Example::
 
         Timing.of([0.012, 0.010, 0.031]).median   # 0.012
     """
@@ -67,7 +64,6 @@ class Timing:
     low: float
     high: float
     count: int
-    p90: float
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> "Timing":
@@ -76,8 +72,7 @@ class Timing:
             raise ValueError("a timing needs at least one sample")
         half = len(ordered) // 2
         middle = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
-        p90 = ordered[math.ceil(0.9 * len(ordered)) - 1]
-        return cls(middle, ordered[0], ordered[-1], len(ordered), p90)
+        return cls(middle, ordered[0], ordered[-1], len(ordered))
 
     def __str__(self) -> str:
         return (f"{_ms(self.median)} ms (median of {self.count}, min-max {_ms(self.low)}-"
