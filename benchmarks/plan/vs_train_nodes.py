@@ -4,6 +4,9 @@ Root only.
 
     python benchmarks/plan/vs_train_nodes.py --rates 1gbit,100mbit,10mbit \
         --hooks none,bf16,powersgd-batched,auto --runs 3 --plans 5 --epochs 8 --bucket 1600
+    python benchmarks/plan/vs_train_nodes.py --rates 1gbit --hooks none,bf16,auto --runs 2 \
+        --plans 3 --epochs 3 --bucket 1600 \
+        --job "--model resnet18 --data synthetic --synthetic-samples 1024"
 
 For each rate: ``ddpkit doctor`` measures the link between the two nodes (its JSON is plan's
 ``--link``), then plan's runs and train's runs take turns (plan on the host, one rank a node:
@@ -24,6 +27,7 @@ auto's measuring).
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -35,11 +39,13 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, HERE)
 
 from netns import Cluster, rate_bits  # noqa: E402
+from vs_train import _plan_args  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 BUCKET = None  # --bucket: tbf's bucket in bytes from 100 Mbit/s to 1 Gbit/s
 PACKET = 16384  # --packet: the packet cap (and bucket, with a frame) at 1 Gbit/s and over
 SLOW_MTU = 576  # --slow-mtu: the frames (and bucket, with 124 B) below 100 Mbit/s
+JOB = []  # --job: train's words for the job (default: ddpkit train's own)
 
 
 def on_nodes(rate, port, argv, launch, env=None):
@@ -78,7 +84,8 @@ def plan(link, tmp, index):
     path = os.path.join(tmp, f"plan-{index}.json")
     # --host-ranks 2: both nodes' ranks run on this host's cores at once, as the job's do
     done = subprocess.run([sys.executable, "-m", "ddpkit", "plan", "--nodes", "2", "--nproc", "1",
-                           "--host-ranks", "2", "--link", link, "--json", path], capture_output=True, text=True,
+                           "--host-ranks", "2", "--link", link, "--json", path, *_plan_args(
+                               shlex.join(JOB))], capture_output=True, text=True,
                           env={**os.environ, **ONE_THREAD}, timeout=900)
     if done.returncode:
         raise SystemExit(f"plan failed: {done.stderr[-2000:]}")
@@ -91,7 +98,7 @@ def plan(link, tmp, index):
 def train(rate, port, tmp, hook, epochs, index):
     out = os.path.join(tmp, f"run-{rate}-{hook}-{index}")
     on_nodes(rate, port, ["--epochs", str(epochs), "--eval-every", "0", "--no-ckpt-every-epoch",
-                          "--no-progress", "--output", out + "-node{node}"] +
+                          "--no-progress", "--output", out + "-node{node}"] + JOB +
              ([] if hook == "none" else ["--comm-hook", hook]), "train")
     with open(os.path.join(out + "-node0", "metrics.jsonl")) as f:
         seen = [json.loads(line) for line in f if '"train/step_ms"' in line]
@@ -119,9 +126,13 @@ def main():
     p.add_argument("--slow-mtu", type=int, default=576,
                    help="the MTU below 100 Mbit/s, the bucket one frame (default 576; 0: 1500 "
                         "and --bucket)")
+    p.add_argument("--job", default="",
+                   help="ddpkit train's flags for the job (default: its own default job), e.g. "
+                        "\"--model resnet18 --data synthetic --synthetic-samples 1024\"")
     args = p.parse_args()
-    global BUCKET, PACKET, SLOW_MTU
+    global BUCKET, PACKET, SLOW_MTU, JOB
     BUCKET, PACKET, SLOW_MTU = args.bucket, args.packet, args.slow_mtu
+    JOB = shlex.split(args.job)
     hooks, port, table = args.hooks.split(","), 29700, []
     with tempfile.TemporaryDirectory(prefix="ddpkit-vs-nodes-") as tmp:
         for rate in args.rates.split(","):
