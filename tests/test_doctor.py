@@ -180,7 +180,7 @@ def test_the_sweep_reports_the_mean_a_step_pays_with_the_median_beside_it(monkey
 
     monkeypatch.setattr(cluster, "time_allreduce", timed)
     short, = cluster.sweep(torch.device("cpu"), [1024], budget_s=1.0)
-    assert short["repeats"] == MOST_REPEATS                  # 60 x 1.6 ms < 1 s: the cap
+    assert short["repeats"] == MOST_REPEATS                  # 240 x 1.6 ms < 1 s: the cap
     assert short["seconds"] == pytest.approx(1.6e-3) and short["median"] == pytest.approx(4e-4)
     assert short["algbw"] == pytest.approx(1024 / 1.6e-3)
     calls.clear()
@@ -198,16 +198,17 @@ def test_the_sweep_reports_the_mean_a_step_pays_with_the_median_beside_it(monkey
                         (4e-3 if len(calls) <= 10 else 4e-4))
     rows = cluster.sweep(torch.device("cpu"), [1024, 4096], budget_s=1.0)
     assert calls == [256, 1024] * MOST_REPEATS
-    assert rows[0]["seconds"] == rows[1]["seconds"] == pytest.approx((5 * 4e-3 + 55 * 4e-4) / 60)
+    assert rows[0]["seconds"] == rows[1]["seconds"] == pytest.approx(
+        (5 * 4e-3 + (MOST_REPEATS - 5) * 4e-4) / MOST_REPEATS)
     calls.clear()
-    # a size leaves the rounds when it is done, the others go on: 30 ms a size, the small one
-    # reaches the cap (60 x 0.4 ms), the large one its share (8 x 4 ms)
+    # a size leaves the rounds when it is done, the others go on: 115 ms a size, the small one
+    # reaches the cap (240 x 0.4 ms), the large one its share (29 x 4 ms)
     monkeypatch.setattr(cluster, "time_allreduce",
                         lambda buffer: calls.append(buffer.numel()) or
                         (4e-4 if buffer.numel() == 256 else 4e-3))
-    rows = cluster.sweep(torch.device("cpu"), [1024, 4096], budget_s=0.06)
-    assert [r["repeats"] for r in rows] == [MOST_REPEATS, 8]
-    assert calls == [256, 1024] * 8 + [256] * (MOST_REPEATS - 8)
+    rows = cluster.sweep(torch.device("cpu"), [1024, 4096], budget_s=0.23)
+    assert MOST_REPEATS * 4e-4 < 0.115 and [r["repeats"] for r in rows] == [MOST_REPEATS, 29]
+    assert calls == [256, 1024] * 29 + [256] * (MOST_REPEATS - 29)
     assert cluster.sweep(torch.device("cpu"), [], budget_s=1.0) == []
 
 
