@@ -45,7 +45,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 BUCKET = None  # --bucket: tbf's bucket in bytes from 100 Mbit/s to 1 Gbit/s
 PACKET = 16384  # --packet: the packet cap (and bucket, with a frame) at 1 Gbit/s and over
 SLOW_MTU = 576  # --slow-mtu: the frames (and bucket, with 124 B) below 100 Mbit/s
-JOB = []  # --job: train's words for the job (default: ddpkit train's own)
+JOB = ""  # --job: train's flags for the job (default: ddpkit train's own)
 
 
 def on_nodes(rate, port, argv, launch, env=None):
@@ -84,8 +84,8 @@ def plan(link, tmp, index):
     path = os.path.join(tmp, f"plan-{index}.json")
     # --host-ranks 2: both nodes' ranks run on this host's cores at once, as the job's do
     done = subprocess.run([sys.executable, "-m", "ddpkit", "plan", "--nodes", "2", "--nproc", "1",
-                           "--host-ranks", "2", "--link", link, "--json", path, *_plan_args(
-                               shlex.join(JOB))], capture_output=True, text=True,
+                           "--host-ranks", "2", "--link", link, "--json", path, *_plan_args(JOB)],
+                          capture_output=True, text=True,
                           env={**os.environ, **ONE_THREAD}, timeout=900)
     if done.returncode:
         raise SystemExit(f"plan failed: {done.stderr[-2000:]}")
@@ -98,7 +98,7 @@ def plan(link, tmp, index):
 def train(rate, port, tmp, hook, epochs, index):
     out = os.path.join(tmp, f"run-{rate}-{hook}-{index}")
     on_nodes(rate, port, ["--epochs", str(epochs), "--eval-every", "0", "--no-ckpt-every-epoch",
-                          "--no-progress", "--output", out + "-node{node}"] + JOB +
+                          "--no-progress", "--output", out + "-node{node}"] + shlex.split(JOB) +
              ([] if hook == "none" else ["--comm-hook", hook]), "train")
     with open(os.path.join(out + "-node0", "metrics.jsonl")) as f:
         seen = [json.loads(line) for line in f if '"train/step_ms"' in line]
@@ -131,8 +131,7 @@ def main():
                         "\"--model resnet18 --data synthetic --synthetic-samples 1024\"")
     args = p.parse_args()
     global BUCKET, PACKET, SLOW_MTU, JOB
-    BUCKET, PACKET, SLOW_MTU = args.bucket, args.packet, args.slow_mtu
-    JOB = shlex.split(args.job)
+    BUCKET, PACKET, SLOW_MTU, JOB = args.bucket, args.packet, args.slow_mtu, args.job
     hooks, port, table = args.hooks.split(","), 29700, []
     with tempfile.TemporaryDirectory(prefix="ddpkit-vs-nodes-") as tmp:
         for rate in args.rates.split(","):
