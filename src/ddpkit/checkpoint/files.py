@@ -24,7 +24,8 @@ from .sharded import remove_shards
 
 __all__ = ["checkpoint_name", "save_checkpoint", "load_checkpoint", "list_checkpoints",
            "resume_order", "find_latest", "resolve_resume", "check_compatible",
-           "check_optimizer_compatible", "checkpoint_metadata", "FORMAT_VERSION", "LATEST"]
+           "check_optimizer_compatible", "checkpoint_metadata", "holds_run", "FORMAT_VERSION",
+           "LATEST"]
 
 PathLike = Union[str, Path]
 FORMAT_VERSION = 1
@@ -385,3 +386,22 @@ def checkpoint_metadata() -> Dict[str, Any]:
 
     # str(): torch.__version__ is a TorchVersion, which the weights_only loader refuses.
     return {"ddpkit": __version__, "torch": str(torch.__version__), "format": FORMAT_VERSION}
+
+
+# What a whole checkpoint holds beside its weights (a user's {"model": ..., "epoch": 3} is not one).
+_RUN_PARTS = ("progress", "config", "meta")
+
+
+def holds_run(state: object) -> bool:
+    """Whether a loaded ``state`` is a whole checkpoint of a run (ddpkit's own): its weights, held
+    (``"model"``) or written beside it as shards (``"sharded"``, FSDP), and what the run recorded
+    with them. Every engine's checkpoint answers True; a plain ``state_dict`` or a user's own dict
+    answers False.
+
+    Example::
+
+        holds_run(load_checkpoint("runs/demo/checkpoints/ckpt-000000046.pt"))   # True
+        holds_run(nn.Linear(2, 2).state_dict())                                  # False
+    """
+    return (isinstance(state, dict) and ("model" in state or bool(state.get("sharded")))
+            and any(k in state for k in _RUN_PARTS))

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.files import resolve_resume
+from ..checkpoint.files import holds_run, resolve_resume
 from ..data.batch import Spelling, good_sizes, split_batch
 from ..engines import create as create_engine
 from ..errors import ConfigError
@@ -186,8 +186,6 @@ def check_batch_fits(cfg: TrainConfig, samples: int, world_size: int = 1) -> Non
 # The keys that decide what a checkpoint's weights and data position mean (the seed: the order
 # the data is shuffled in, so where in it the checkpoint stands).
 _RUN_KEYS = ("model", "data", "context", "seed")
-# What the job's checkpoints hold beside "model" (a user's {"model": ..., "epoch": 3} is not one).
-_OWN_KEYS = ("progress", "config", "meta")
 # Keys whose change on resume is no change to the run's course: not worth a note.
 _QUIET_KEYS = ("resume", "output", "progress", "nproc", "eval_only")
 
@@ -227,7 +225,7 @@ def check_resume(cfg: TrainConfig) -> None:
         raise ConfigError(f"--eval-only --resume {cfg.resume}: no checkpoint in "
                           f"{os.path.join(cfg.output, 'checkpoints')} to evaluate; give a "
                           "checkpoint file or the --output of a run that saved one")
-    if found and not ("model" in found[1] and any(k in found[1] for k in _OWN_KEYS)):
+    if found and not holds_run(found[1]):
         raise ConfigError(f"--resume {cfg.resume}: {found[0]} is not a checkpoint of ddpkit "
                           f"train ({describe_foreign(found[1])}); --resume continues a run from "
                           "its own checkpoints (runs/NAME/checkpoints/ckpt-*.pt). Nothing was "
