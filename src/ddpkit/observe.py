@@ -9,7 +9,7 @@ import importlib
 import os
 from typing import Any, Mapping, Optional
 
-__all__ = ["OBSERVER_VAR", "active", "start"]
+__all__ = ["OBSERVER_VAR", "active", "start", "own_directory"]
 
 #: The observer's module (``ddpkit.verify.probe``); its ``start(rank, world_size, environ=,
 #: seeded=)`` returns the observer, or None when it has nothing to watch.
@@ -42,3 +42,17 @@ def start(rank: int, world_size: int, seeded: bool = True,
         _ACTIVE = importlib.import_module(name).start(rank, world_size, environ=environ,
                                                       seeded=seeded)
     return _ACTIVE
+
+
+def own_directory(path: Any) -> Any:
+    """Where this process keeps what ``path`` (a checkpoint directory) would hold: ``path`` in a
+    plain run; under an observer that runs the script several times (``ddpkit verify``), a
+    directory of this run's own, so its runs neither resume from one another nor from the
+    user's real run, and leave nothing behind.
+
+    Example::
+
+        directory = own_directory("runs/lm/checkpoints")   # the same path in a plain run
+    """
+    redirect = getattr(_ACTIVE, "own_directory", None)
+    return path if path is None or redirect is None else redirect(path)

@@ -18,6 +18,7 @@ from .background import BackgroundSaver, gathered_rng
 from .files import (_save_on_main, checkpoint_metadata, checkpoint_name, load_checkpoint,
                     resolve_resume, save_checkpoint)
 from ..errors import ConfigError
+from ..observe import own_directory
 from .advice import (AUTO_FIRST_SAVE, auto_cadence_line, cadence_line, grace_line,
                      restarts_allowed, world_change_line, young_daly_steps)
 from ..seed import rng_state, set_rng_state
@@ -86,6 +87,7 @@ class Checkpointer:
         every_steps = 0 if every_steps == "auto" else every_steps
         _check_parts(model, loader)
         _check_same_on_every_rank(directory)
+        directory = own_directory(directory)  # under ddpkit verify: this run's own
         self.rt, self.model, self.optimizer, self.loader = rt, model, optimizer, loader
         self.parts = {"scheduler": scheduler, "scaler": scaler, "precision": precision}
         self.directory = None if directory is None else Path(directory).expanduser()

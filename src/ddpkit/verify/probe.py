@@ -72,19 +72,25 @@ def start(rank: int, world_size: int, environ: Any = None,
     return _ACTIVE
 
 
-def reverse_batch(batch: Any) -> Any:
-    """The same batch with its samples in reverse order (tensors, tuples, lists, dicts of them).
+def reverse_batch(batch: Any, samples: Optional[int] = None) -> Any:
+    """The same batch with its samples in reverse order (tensors, tuples, lists, dicts of them):
+    along each tensor's first dimension of ``samples`` entries (a time-major ``(T, B)`` batch
+    along B), the first dimension when ``samples`` is None or no dimension has that size.
 
     Example::
 
         reverse_batch((x, y))   # (x.flip(0), y.flip(0))
+        reverse_batch(tokens_tb, samples=8)   # tokens of shape (16, 8): flipped along dim 1
     """
     if torch.is_tensor(batch):
-        return batch.flip(0) if batch.dim() else batch
+        if not batch.dim():
+            return batch
+        dim = next((d for d, size in enumerate(batch.shape) if size == samples), 0)
+        return batch.flip(dim)
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(reverse_batch(b) for b in batch)
+        return type(batch)(reverse_batch(b, samples) for b in batch)
     if isinstance(batch, dict):
-        return {k: reverse_batch(v) for k, v in batch.items()}
+        return {k: reverse_batch(v, samples) for k, v in batch.items()}
     return batch
 
 
@@ -105,9 +111,12 @@ class Probe:
         self._grad: Dict[str, Any] = {}   # the gradients as the step about to happen saw them
         self._watching_loader = False     # the first rt.loader is the one recorded
         os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self._forward_rng: Dict[int, Any] = {}  # module id -> RNG states as its forward began
         self._out = open(os.path.join(directory, f"rank{rank}.jsonl"), "w", buffering=1)
         self.step = 0
         self._indices: List[int] = []     # samples consumed since the last optimizer step
+        self._batch_samples: Optional[int] = None  # samples in the batch just handed out
         self._losses: List[float] = []    # losses backpropagated since the last step
         self._clipped: Optional[float] = None  # clip_grad_norm_'s answer: the norm before it
         self._random_forward = False      # did a forward draw random numbers since the last step
@@ -201,16 +210,28 @@ class Probe:
                     and m.p > 0]
         for m in dropouts:
             m.p = 0.0
+        # nn.LSTM/GRU/RNN(dropout=) between their layers: the same masks-by-split reason
+        recurrent = [m for m in module.modules() if isinstance(m, nn.RNNBase) and m.dropout > 0]
+        for m in recurrent:
+            m.dropout = 0.0
         attention = watch.quiet_attention(module, self._sdpa_off)
         norms = [type(m).__name__ for m in module.modules()
                  if isinstance(m, nn.modules.batchnorm._BatchNorm)
                  and not isinstance(m, nn.SyncBatchNorm)]
-        module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        module.register_forward_hook(self._after_forward)
+        module.register_forward_pre_hook(_Hook(self, "_before_forward"), with_kwargs=True)
+        module.register_forward_hook(_Hook(self, "_after_forward"))
         self._models.append(module)
         self._write({"event": "model", "type": type(module).__name__, "dropouts_off":
-                     len(dropouts), "attention_dropouts_off": attention,
+                     len(dropouts) + len(recurrent), "attention_dropouts_off": attention,
                      "batchnorms": len(norms)})
+
+    def own_directory(self, path: Any) -> str:
+        """``path`` (a checkpoint directory the script names) moved into this run's own
+        directory (``ddpkit.observe.own_directory``): every rank of the run maps it alike."""
+        name = os.path.abspath(os.fspath(path)).strip(os.sep).replace(os.sep, "_") or "root"
+        moved = os.path.join(self.directory, "checkpoints", name)
+        self._write({"event": "own_directory", "path": os.fspath(path)})
+        return moved
 
     def _sdpa_off(self) -> None:
         if not getattr(self, "_said_sdpa", False):
@@ -233,11 +254,12 @@ class Probe:
 
     def reorder(self, batch: Any) -> Any:
         """The batch as this run feeds it: reversed when it checks the reduction order."""
-        return reverse_batch(batch) if self.reverse else batch
+        return reverse_batch(batch, self._batch_samples) if self.reverse else batch
 
     def batch(self, indices: List[int], last: bool) -> None:
         """``rt.loader`` handed out a batch of these samples (``last``: the epoch's last)."""
         self._indices.extend(int(i) for i in indices)
+        self._batch_samples = len(indices)
         self._counts["batches"] += 1
         self._after_batch = watch.rng()
         if last:
@@ -245,11 +267,14 @@ class Probe:
 
     # ------------------------------------------------------------------ hooks
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
-        rows = watch.row_digests(watch.first_tensor((args, kwargs or {})))
-        if not module.training or not torch.is_grad_enabled():  # an evaluation
+        first = watch.first_tensor((args, kwargs or {}))
+        training = module.training and torch.is_grad_enabled()
+        # a training batch's samples lie along its dimension of rt.loader's batch size
+        rows = watch.row_digests(first, self._batch_samples if training else None)
+        if not training:  # an evaluation
             if id(module) in self._trained:
                 self._eval = (self._eval or []) + rows
-            module._ddpkit_rng = None  # draws in an evaluation are not training's
+            self._forward_rng[id(module)] = None  # draws in an evaluation are not training's
             return
         self._end_evaluation()
         self._trained.add(id(module))
@@ -262,9 +287,8 @@ class Probe:
         self._rows.extend(rows)
         self._counts["forwards"] += 1
         self._counts["rows"] += len(rows)
-        module._ddpkit_rng = watch.rng()
-        if self._after_batch is not None and \
-                not watch.same(self._after_batch, module._ddpkit_rng):
+        began = self._forward_rng[id(module)] = watch.rng()
+        if self._after_batch is not None and not watch.same(self._after_batch, began):
             self._random_loop = True      # noise, mixup, a random crop in the loop itself
         self._after_batch = None
         dtype = watch.autocast_dtype()
@@ -273,7 +297,7 @@ class Probe:
             self._write({"event": "autocast", "dtype": dtype})
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        before = getattr(module, "_ddpkit_rng", None)
+        before = self._forward_rng.get(id(module))
         if before is not None and not watch.same(before, watch.rng()):
             self._random_forward = True
 
@@ -377,6 +401,21 @@ class Probe:
 
     def _write(self, record: Dict[str, Any]) -> None:
         self._out.write(json.dumps(record) + "\n")
+
+
+class _Hook:
+    """A module hook that calls the probe, and pickles (``torch.save(model)``,
+    ``copy.deepcopy(model)`` for an EMA or a teacher) as a hook that does nothing: the probe
+    holds open files, and what the script saves must load where no probe runs."""
+
+    def __init__(self, probe: Optional[Probe], name: str) -> None:
+        self.probe, self.name = probe, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return None if self.probe is None else getattr(self.probe, self.name)(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return _Hook, (None, self.name)
 
 
 def _divided(tensors: Any, grads: Any, k: int) -> Any:

@@ -43,15 +43,21 @@ def first_tensor(value: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def row_digests(tensor: Optional[torch.Tensor]) -> List[int]:
-    """One CRC-32 of the bytes of each sample (row) of ``tensor``: exact, independent of how
-    the batch was split or ordered; [] for a scalar or no tensor.
+def row_digests(tensor: Optional[torch.Tensor], samples: Optional[int] = None) -> List[int]:
+    """One CRC-32 of the bytes of each sample of ``tensor``: exact, independent of how the batch
+    was split or ordered; [] for a scalar or no tensor. Samples lie along the first dimension
+    of ``samples`` entries (a time-major ``(T, B)`` batch: along B), else along the first.
 
     Example::
 
         row_digests(torch.zeros(3, 4))   # three equal checksums
+        row_digests(torch.zeros(16, 4), samples=4)   # four: one a column
     """
-    if tensor is None or tensor.dim() == 0 or tensor.shape[0] == 0:
+    if tensor is None or tensor.dim() == 0:
+        return []
+    dim = next((d for d, size in enumerate(tensor.shape) if size == samples), 0)
+    tensor = tensor.movedim(dim, 0)
+    if tensor.shape[0] == 0:
         return []
     rows = tensor.detach().cpu().contiguous().reshape(tensor.shape[0], -1)
     raw = rows.view(torch.uint8) if rows.dtype.itemsize > 1 or rows.dtype == torch.bool \

@@ -2,6 +2,11 @@
 every batch reversed) and on N, each as ``ddpkit run`` runs it (a free port, the cores split),
 with ``ddpkit.setup()`` recording every optimizer step (``ddpkit.verify.probe``). The first
 1-process run sets the limits; the other three are independent and run side by side.
+
+Each run works in a directory of its own (:func:`working_directory`): what the script writes
+under a relative path (``model.pt``, ``checkpoints/``) stays in that run, so no run resumes from
+another and nothing is left for the user's next real run. The runs read no standard input and
+end with verify (a Ctrl-C, SIGTERM, or ``kill -9`` of verify itself).
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..observe import OBSERVER_VAR
@@ -77,7 +82,8 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
     # run --nproc 1` would); N processes run as `ddpkit run` runs them.
     launch = [sys.executable, "-m", "ddpkit", "run", "--nproc", str(nproc)] if nproc > 1 else \
         [sys.executable]
-    proc = _run([*launch, script, *args], env, timeout, f"{script} on {nproc} process(es)")
+    proc = _run([*launch, os.path.abspath(script), *args], env, timeout,
+                f"{script} on {nproc} process(es)", working_directory(directory))
     record = load(directory)
     if proc.returncode != 0 and any(marker in proc.stderr for marker in _UNUSED):
         said = next(line.strip() for line in proc.stderr.splitlines()
@@ -96,12 +102,40 @@ def run_script(script: str, args: Sequence[str], nproc: int, steps: int, directo
     return _checked(script, record, steps, whole_epoch, nproc_many, accum if nproc == 1 else 1)
 
 
-def _run(command: list, env: dict, timeout: Optional[float],
-         what: str) -> subprocess.CompletedProcess:
-    """Run ``command`` in a session of its own; past ``timeout`` kill all of it (the launcher
+def working_directory(directory: str, here: Optional[str] = None) -> str:
+    """A run's own working directory, ``directory/cwd``: a link to every entry of ``here`` (the
+    user's working directory), so the script reads its data and code by relative paths as it
+    would; what it creates there (outputs, checkpoints, ``model.pt``) is the run's alone.
+
+    Example::
+
+        working_directory("/tmp/ddpkit-verify-x/one")   # '/tmp/ddpkit-verify-x/one/cwd'
+    """
+    here = os.getcwd() if here is None else here
+    cwd = os.path.join(directory, "cwd")
+    os.makedirs(cwd, exist_ok=True)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(here):
+            with contextlib.suppress(OSError):
+                os.symlink(os.path.join(here, name), os.path.join(cwd, name))
+    return cwd
+
+
+def _die_with_verify() -> None:  # in the child, before exec: verify's kill -9 ends the run too
+    with contextlib.suppress(Exception):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _run(command: list, env: dict, timeout: Optional[float], what: str,
+         cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run ``command`` in a session of its own, with no standard input (a script asking for
+    input fails at once, as under a scheduler); past ``timeout`` kill all of it (the launcher
     and its ranks) and say so in one line."""
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                            cwd=cwd, preexec_fn=_die_with_verify
+                            if sys.platform.startswith("linux") else None)
     with _LIVE_LOCK:
         _LIVE.add(proc)
     try:
@@ -236,7 +270,8 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
     if eval_within < 0:
         raise ConfigError(f"--eval-within must be >= 0 steps, got {eval_within}")
     records = {}
-    with tempfile.TemporaryDirectory(prefix="ddpkit-verify-", dir=workdir) as tmp:
+    with tempfile.TemporaryDirectory(prefix="ddpkit-verify-", dir=workdir) as tmp, \
+            _stopped_by_sigterm():
         def run(name: str, n: Optional[int], reverse: bool) -> RunRecord:
             return run_script(script, args, n or nproc, steps, os.path.join(tmp, name), reverse,
                               timeout, whole_epoch=name == "one", accum=accum, nproc_many=nproc,
@@ -258,6 +293,22 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
             return _fails_on_n(records["one"], nproc, exc)
     return compare(records["one"], records["many"], records["reordered"], records["again"],
                    steps, eval_within)
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM to verify (a scheduler's stop, ``kill``) ends its runs as a Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _fails_on_n(one: RunRecord, nproc: int, exc: RunFailed) -> Verdict:

@@ -1,0 +1,109 @@
+"""verify runs a real script as it runs alone (issue 54 item 5, issue 55 rows 4 and 7): each run
+in a working directory of its own (no run resumes from another or from the user's checkpoints,
+nothing left behind), a model that the probe watches still pickles and deep-copies, time-major
+batches compared by their samples, no standard input, and the runs end with verify."""
+import copy
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit.verify.probe import Probe, reverse_batch
+from ddpkit.verify.probe_watch import row_digests
+from ddpkit.verify.runs import working_directory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LM = os.path.join(ROOT, "tests", "data", "lm_real_shaped.py")
+
+
+def test_a_watched_model_pickles_and_deep_copies_without_the_probe(tmp_path):
+    probe = Probe(str(tmp_path), rank=0, world_size=1, steps=1)
+    net = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.LSTM(3, 3, 2, dropout=0.3))
+    probe.model(net)
+    assert net[1].p == 0.0 and net[2].dropout == 0.0   # both kinds of dropout off
+    copied = copy.deepcopy(net)                         # an EMA, a teacher
+    loaded = pickle.loads(pickle.dumps(net))            # torch.save(model)
+    for other in (copied, loaded):
+        hooks = list(other._forward_pre_hooks.values()) + list(other._forward_hooks.values())
+        assert hooks and all(h.probe is None for h in hooks)   # no-ops where no probe runs
+        other[0](torch.ones(1, 3))
+    assert all(h.probe is probe for h in net._forward_pre_hooks.values())
+
+
+def test_time_major_batches_are_split_and_reversed_along_their_samples():
+    tokens = torch.arange(16 * 4).reshape(16, 4)          # (time, batch)
+    halves = row_digests(tokens[:, :2], samples=2) + row_digests(tokens[:, 2:], samples=2)
+    assert row_digests(tokens, samples=4) == halves       # the same samples, however split
+    assert torch.equal(reverse_batch((tokens,), samples=4)[0], tokens.flip(1))
+    assert torch.equal(reverse_batch(tokens), tokens.flip(0))   # batch-major by default
+    assert len(row_digests(torch.zeros(3, 4))) == 3
+
+
+def test_a_run_works_in_a_directory_of_its_own_that_links_the_users(tmp_path):
+    here = tmp_path / "project"
+    (here / "data").mkdir(parents=True)
+    (here / "data" / "corpus.txt").write_text("hello")
+    cwd = working_directory(str(tmp_path / "run"), str(here))
+    assert open(os.path.join(cwd, "data", "corpus.txt")).read() == "hello"
+    open(os.path.join(cwd, "model.pt"), "w").close()     # what a run creates stays there
+    assert sorted(os.listdir(here)) == ["data"]
+
+
+def _verify(*args, cwd, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "ddpkit", "verify", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_real_shaped_language_model_passes_and_leaves_the_users_directory_as_it_was(tmp_path):
+    """Checkpoints in a relative directory that the script resumes from, a model deep-copied
+    and pickled, nn.LSTM's own dropout, time-major batches: PASS, and the user's stale
+    checkpoint (of another run) is neither resumed nor touched by any of the four runs."""
+    (tmp_path / "pyproject.toml").write_text(open(os.path.join(ROOT, "pyproject.toml")).read())
+    stale = tmp_path / "checkpoints" / "ckpt-000000099.pt"
+    stale.parent.mkdir()
+    torch.save({"not": "this run's"}, stale)
+    before = sorted(os.listdir(tmp_path)), stale.stat().st_mtime_ns
+    proc = _verify("--steps", "4", LM, cwd=tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert "PASS" in out and "samples compared" in out
+    assert (sorted(os.listdir(tmp_path)), stale.stat().st_mtime_ns) == before
+    assert sorted(os.listdir(stale.parent)) == ["ckpt-000000099.pt"]
+
+
+@pytest.mark.slow
+def test_a_script_asking_for_input_fails_at_once_instead_of_waiting(tmp_path):
+    proc = _verify("--steps", "2", LM, "--ask", cwd=ROOT, stdin=subprocess.PIPE)  # held open
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "EOFError" in lines[0], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_runs_end_with_verify(tmp_path, sig):
+    proc = _verify("--steps", "2", LM, "--pids", str(tmp_path), "--hang", cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("*.pid")):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    pid = int(next(tmp_path.glob("*.pid")).stem)
+    proc.send_signal(sig)
+    proc.communicate(timeout=30)
+    for _ in range(100):  # the run is gone within 10 s
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the script's run (pid {pid}) outlived verify's {sig.name}")
