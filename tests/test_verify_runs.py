@@ -107,3 +107,34 @@ def test_the_runs_end_with_verify(tmp_path, sig):
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail(f"the script's run (pid {pid}) outlived verify's {sig.name}")
+
+
+def test_the_first_quantity_where_the_ranks_part_is_named_with_its_step():
+    from ddpkit.verify.compare import compare
+    from test_verify import _run
+    one, many = _run([1.0, 1.0, 1.0]), _run([1.0, 1.0, 1.0], world=2)
+    same = {"0.weight": 7, "lr:param_groups[0]": 0.1, "training:Net": True,
+            "buffer:bn.running_mean": 1}
+    many.steps[0].replicas = [same, {**same, "buffer:bn.running_mean": 2}]  # DDP's design
+    many.steps[1].replicas = [same, {**same, "training:Net": False}]
+    many.steps[2].replicas = [same, {**same, "0.weight": 8}]
+    verdict = compare(one, many)       # 1 and N agree at every step: the ranks still parted
+    assert not verdict.passed and verdict.cause == "ranks-differ"
+    assert "after optimizer step 2" in verdict.why and "'Net'" in verdict.why
+    assert "rank 0: True, rank 1: False" in verdict.evidence[0]
+
+
+@pytest.mark.slow
+def test_a_module_left_in_eval_mode_on_rank_0_alone_is_named_by_the_invariant():
+    """1 and N agree on every loss here (dropout is off under verify); the ranks still hold
+    different replicas, named with the module, its step and each rank's flag. The fixed twin
+    passes."""
+    script = os.path.join(ROOT, "tests", "data", "eval_mode_rank0.py")
+    bug = _verify("--steps", "6", script, cwd=ROOT)
+    out, err = bug.communicate(timeout=300)
+    assert bug.returncode == 1, out + err
+    assert "FAIL [ranks-differ]: after optimizer step 3" in out
+    assert "module mode 'Sequential' differs between ranks (rank 0: False, rank 1: True)" in out
+    fixed = _verify("--steps", "6", script, "--fixed", cwd=ROOT)
+    out, err = fixed.communicate(timeout=300)
+    assert fixed.returncode == 0 and "PASS" in out, out + err

@@ -154,6 +154,10 @@ def _explain(verdict: Verdict, one: RunRecord, many: RunRecord, again: Optional[
     found = None if nondeterministic else (
         evidence.no_steps(one, many, steps or len(one.steps)) or evidence.same_samples(many)
         or evidence.ranks_differ(many))
+    parted = None if nondeterministic or found is not None else evidence.replicas_part(many)
+    if parted is not None and (verdict.first_divergent is None or
+                               parted[0] <= verdict.first_divergent):
+        found = parted[1]  # the ranks parted no later than 1 and N did: the earliest evidence
     if found is None and (nondeterministic or verdict.first_divergent is not None):
         index = next(i for i, r in enumerate(verdict.steps)
                      if r["step"] == verdict.first_divergent) \

@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .records import RunRecord, Step
 
-__all__ = ["Finding", "step_facts", "repeat_facts", "same_samples", "ranks_differ", "no_steps", "evaluation",
+__all__ = ["Finding", "step_facts", "repeat_facts", "same_samples", "ranks_differ",
+           "replicas_part", "no_steps", "evaluation",
            "gradient_collectives", "what_was_compared"]
 
 #: (cause, one sentence, the evidence lines)
@@ -131,6 +132,51 @@ def ranks_differ(many: RunRecord) -> Optional[Finding]:
             f"({len(names)} tensor(s) in all): {fix}; build them the same on every rank (the "
             "same seed), or keep broadcast_buffers=True",
             [f"{kind} {shown}: checksums differ between rank 0 and another rank at step 1"])
+
+
+def replicas_part(many: RunRecord) -> Optional[Tuple[int, Finding]]:
+    """The replica invariant: after every compared optimizer step each rank must hold the same
+    parameters, optimizer state, learning rates and module modes. The first step where they
+    part, and the first quantity that does, by its path; None while they agree. (Buffers are
+    left to the first forward: DDP hands rank 0's to every rank at each forward, so BatchNorm's
+    running statistics differ after a step by design.)
+
+    Example::
+
+        replicas_part(load("v/many"))   # (3, ('ranks-differ', "after step 3 ...", [...]))
+    """
+    for step in many.steps:
+        ranks = [r for r in step.replicas if r]
+        if len(ranks) < 2:
+            continue
+        keys = [k for k in ranks[0] if not k.startswith("buffer:") and all(k in r for r in ranks)]
+        differ = [k for k in keys if any(r[k] != ranks[0][k] for r in ranks[1:])]
+        if differ:
+            return step.step, _parted(step.step, differ, ranks)
+    return None
+
+
+def _parted(step: int, differ: List[str], ranks: List[Dict[str, Any]]) -> Finding:
+    kinds = {"training:": "module mode", "lr:": "learning rate", "optimizer:": "optimizer state"}
+    first = next((k for prefix in kinds for k in differ if k.startswith(prefix)), differ[0])
+    kind = next((v for prefix, v in kinds.items() if first.startswith(prefix)), "parameter")
+    name = first.split(":", 1)[1] if kind != "parameter" else first
+    values = ", ".join(f"rank {i}: {r[first]}" for i, r in enumerate(ranks)) \
+        if kind in ("module mode", "learning rate") else ""
+    said = {"module mode": f"the module {name!r} is in training mode on some ranks and in "
+                           f"evaluation mode on others ({values}): a model.eval() or "
+                           ".train() that not every rank reached",
+            "learning rate": f"{name}'s learning rate differs between ranks ({values}): a "
+                             "scheduler or an lr set that not every rank ran alike",
+            "optimizer state": f"the optimizer's state {name!r} differs between ranks",
+            "parameter": f"the parameter {name!r} differs between ranks"}[kind]
+    return ("ranks-differ",
+            f"after optimizer step {step} the ranks no longer hold the same replica: {said} "
+            f"({len(differ)} quantity(ies) in all); every rank must run the same updates on the "
+            "same model",
+            [f"replica invariant after step {step}: {kind} {name!r} differs between ranks"
+             + (f" ({values})" if values else ""),
+             "differs: " + ", ".join(differ[:6]) + (" ..." if len(differ) > 6 else "")])
 
 
 def no_steps(one: RunRecord, many: RunRecord, steps: int) -> Optional[Finding]:

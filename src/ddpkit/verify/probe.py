@@ -347,7 +347,10 @@ class Probe:
                          "random_loop": self._random_loop,
                          "param_sums": [float(p.sum(dtype=torch.float64)) for p in params],
                          "param_norm": watch.norm(params), "rows": self._rows,
-                         "loss_counts": self._loss_counts, **self._grad})
+                         "loss_counts": self._loss_counts, **self._grad,
+                         # the replica invariant: compared between this run's ranks
+                         **({"replica": watch.replica_digests(self._models, optimizer)}
+                            if self.world_size > 1 else {})})
         self._indices, self._losses, self._clipped, self._rows = [], [], None, []
         self._loss_counts = []
         self._random_forward = self._random_loop = False

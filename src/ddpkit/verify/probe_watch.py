@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["first_tensor", "row_digests", "state_digests", "call_site", "watch_collectives",
+__all__ = ["first_tensor", "row_digests", "state_digests", "replica_digests", "call_site", "watch_collectives",
            "watch_losses", "quiet_attention", "PrintTee", "COLLECTIVES", "number", "rng", "same",
            "autocast_dtype", "norm"]
 
@@ -89,6 +89,36 @@ def state_digests(modules: Iterable[nn.Module]) -> Dict[str, int]:
         for name, buffer in module.named_buffers():
             if not hasattr(buffer, "to_local"):
                 out[f"buffer:{prefix}{name}"] = zlib.crc32(_bytes_of(buffer))
+    return out
+
+
+def replica_digests(modules: List[nn.Module], optimizer: Any) -> Dict[str, Any]:
+    """What data parallelism keeps the same on every rank, after an optimizer step: a CRC-32
+    of every parameter and buffer, of the optimizer's state (momentum, Adam's moments, step
+    counts) by parameter name, each param group's learning rate, and each module's ``training``
+    flag (by module path). Compared between the ranks of one run, the first entry that differs
+    names where the replicas parted.
+
+    Example::
+
+        replica_digests([model], opt)   # {'0.weight': 38..., 'optimizer:0.weight.exp_avg': ...}
+    """
+    out: Dict[str, Any] = dict(state_digests(modules))
+    names = {id(p): (f"{i}/" if i else "") + n for i, m in enumerate(modules)
+             for n, p in m.named_parameters()}
+    for g, group in enumerate(getattr(optimizer, "param_groups", [])):
+        out[f"lr:param_groups[{g}]"] = number(group.get("lr"))
+        for k, param in enumerate(group["params"]):
+            for key, value in optimizer.state.get(param, {}).items():
+                name = f"optimizer:{names.get(id(param), f'group{g}.param{k}')}.{key}"
+                if torch.is_tensor(value) and not hasattr(value, "to_local"):
+                    out[name] = zlib.crc32(_bytes_of(value))
+                elif isinstance(value, (int, float)):
+                    out[name] = float(value)
+    for i, module in enumerate(modules):
+        prefix = f"{i}/" if i else ""
+        for name, sub in module.named_modules():
+            out[f"training:{prefix}{name or type(module).__name__}"] = sub.training
     return out
 
 

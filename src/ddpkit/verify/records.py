@@ -35,6 +35,7 @@ class Step:
     epoch_end: bool = False           # the epoch's last batch was in this step
     rows: List[List[int]] = field(default_factory=list)  # per rank: what its forwards got
     loss_counts: List[List[Any]] = field(default_factory=list)  # per rank: (reduction, targets)
+    replicas: List[Dict[str, Any]] = field(default_factory=list)  # per rank: after the step
 
     def received(self) -> List[int]:
         """Every rank's forward inputs together, one checksum per sample, sorted."""
@@ -133,7 +134,8 @@ def _merge(records: List[Dict[str, Any]], ends: List[set]) -> Step:
         no_grad=[r.get("no_grad", []) for r in records],
         epoch_end=any(n - 1 in e for e in ends),
         rows=[r.get("rows", []) for r in records],
-        loss_counts=[r.get("loss_counts", []) for r in records])
+        loss_counts=[r.get("loss_counts", []) for r in records],
+        replicas=[r.get("replica", {}) for r in records])
 
 
 def relative(a: float, b: float) -> float:
