@@ -20,6 +20,7 @@ from torch import nn
 
 from . import probe_watch as watch
 from .microsteps import HoldBack
+from .probe_watch import ProbeHook as _Hook, rebind as _rebind, reverse_batch
 
 __all__ = ["VERIFY_VAR", "STEPS_VAR", "ORDER_VAR", "ACCUM_VAR", "EVAL_VAR", "Probe", "start",
            "active", "reverse_batch"]
@@ -70,28 +71,6 @@ def start(rank: int, world_size: int, environ: Any = None,
                     int(environ.get(EVAL_VAR, "0")))
     _ACTIVE.install()
     return _ACTIVE
-
-
-def reverse_batch(batch: Any, samples: Optional[int] = None) -> Any:
-    """The same batch with its samples in reverse order (tensors, tuples, lists, dicts of them):
-    along each tensor's first dimension of ``samples`` entries (a time-major ``(T, B)`` batch
-    along B), the first dimension when ``samples`` is None or no dimension has that size.
-
-    Example::
-
-        reverse_batch((x, y))   # (x.flip(0), y.flip(0))
-        reverse_batch(tokens_tb, samples=8)   # tokens of shape (16, 8): flipped along dim 1
-    """
-    if torch.is_tensor(batch):
-        if not batch.dim():
-            return batch
-        dim = next((d for d, size in enumerate(batch.shape) if size == samples), 0)
-        return batch.flip(dim)
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(reverse_batch(b, samples) for b in batch)
-    if isinstance(batch, dict):
-        return {k: reverse_batch(v, samples) for k, v in batch.items()}
-    return batch
 
 
 class Probe:
@@ -406,21 +385,6 @@ class Probe:
         self._out.write(json.dumps(record) + "\n")
 
 
-class _Hook:
-    """A module hook that calls the probe, and pickles (``torch.save(model)``,
-    ``copy.deepcopy(model)`` for an EMA or a teacher) as a hook that does nothing: the probe
-    holds open files, and what the script saves must load where no probe runs."""
-
-    def __init__(self, probe: Optional[Probe], name: str) -> None:
-        self.probe, self.name = probe, name
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return None if self.probe is None else getattr(self.probe, self.name)(*args, **kwargs)
-
-    def __reduce__(self) -> Any:
-        return _Hook, (None, self.name)
-
-
 def _divided(tensors: Any, grads: Any, k: int) -> Any:
     """``backward``'s gradient arguments for ``tensors`` divided by ``k``."""
     if grads is None:
@@ -429,17 +393,3 @@ def _divided(tensors: Any, grads: Any, k: int) -> Any:
     if torch.is_tensor(grads):
         return grads / k
     return type(grads)(None if g is None else g / k for g in grads)
-
-
-def _rebind(replacements: Dict[Any, Any]) -> None:
-    """Point the script's own names for each original (imported before setup) at its
-    replacement."""
-    by_id = {id(original): new for original, new in replacements.items()}
-    for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith(("torch", "ddpkit")):
-            continue
-        names = getattr(module, "__dict__", None)
-        if isinstance(names, dict):
-            for key, value in list(names.items()):
-                if id(value) in by_id:  # the originals stay alive: ids are theirs
-                    names[key] = by_id[id(value)]

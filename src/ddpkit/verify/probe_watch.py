@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["first_tensor", "row_digests", "state_digests", "replica_digests", "call_site", "watch_collectives",
+__all__ = ["reverse_batch", "ProbeHook", "rebind", "first_tensor", "row_digests", "state_digests", "replica_digests", "call_site", "watch_collectives",
            "watch_losses", "quiet_attention", "PrintTee", "COLLECTIVES", "number", "rng", "same",
            "autocast_dtype", "norm"]
 
@@ -299,3 +299,54 @@ def autocast_dtype() -> Optional[str]:
 def norm(tensors: Any) -> float:
     """The 2-norm of all ``tensors`` together, in float64, one tensor at a time."""
     return sum(float(t.detach().double().norm()) ** 2 for t in tensors) ** 0.5
+
+
+def reverse_batch(batch: Any, samples: Optional[int] = None) -> Any:
+    """The same batch with its samples in reverse order (tensors, tuples, lists, dicts of them):
+    along each tensor's first dimension of ``samples`` entries (a time-major ``(T, B)`` batch
+    along B), the first dimension when ``samples`` is None or no dimension has that size.
+
+    Example::
+
+        reverse_batch((x, y))   # (x.flip(0), y.flip(0))
+        reverse_batch(tokens_tb, samples=8)   # tokens of shape (16, 8): flipped along dim 1
+    """
+    if torch.is_tensor(batch):
+        if not batch.dim():
+            return batch
+        dim = next((d for d, size in enumerate(batch.shape) if size == samples), 0)
+        return batch.flip(dim)
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(reverse_batch(b, samples) for b in batch)
+    if isinstance(batch, dict):
+        return {k: reverse_batch(v, samples) for k, v in batch.items()}
+    return batch
+
+
+class ProbeHook:
+    """A module hook that calls the probe, and pickles (``torch.save(model)``,
+    ``copy.deepcopy(model)`` for an EMA or a teacher) as a hook that does nothing: the probe
+    holds open files, and what the script saves must load where no probe runs."""
+
+    def __init__(self, probe: Any, name: str) -> None:
+        self.probe, self.name = probe, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return None if self.probe is None else getattr(self.probe, self.name)(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return ProbeHook, (None, self.name)
+
+
+def rebind(replacements: Dict[Any, Any]) -> None:
+    """Point the script's own names for each original (imported before setup) at its
+    replacement."""
+    by_id = {id(original): new for original, new in replacements.items()}
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith(("torch", "ddpkit")):
+            continue
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict):
+            for key, value in list(names.items()):
+                if id(value) in by_id:  # the originals stay alive: ids are theirs
+                    names[key] = by_id[id(value)]
