@@ -181,7 +181,7 @@ def test_a_script_that_never_steps_is_one_line(tmp_path):
 def test_more_steps_than_an_epoch_is_one_line():
     line = _one_error_line(_ddpkit("verify", "--steps", "40", os.path.join(BROKEN,
                                                                           "batchnorm.py")))
-    assert "goes past the script's epoch of 16 optimizer steps" in line and "--steps 16" in line
+    assert "goes past the script's first training epoch over its rt.loader: 16 optimizer steps" in line and "--steps 16" in line
 
 
 @pytest.mark.slow
@@ -310,11 +310,18 @@ def test_the_probe_sees_autocast(tmp_path):
 
 
 def test_loaders_built_differently_fail_even_where_the_steps_compared_agree():
+    """On the epoch's samples, observed; settings that differ while every epoch hands out the
+    same samples are no evidence (a FAIL [loader-global_batch] on a run whose every step of
+    two epochs agreed, from the recorded batch alone)."""
     one, many = _run([1.0]), _run([1.0], world=2)
     many.loaders = [{"seed": 0, "shuffle": True, "drop_last": True}] * 2
+    one.plans, many.plans = {0: (91, 12345)}, {0: (90, 2345)}
     verdict = compare(one, many)
     assert not verdict.passed and verdict.cause == "loader-drop_last"
-    assert "differs later" in verdict.why
+    assert "epoch 0 hands out 91 samples on 1 process and 90 on 2" in verdict.why
+    many.plans = {0: (91, 12345)}
+    many.loaders = [{"seed": 0, "shuffle": True, "drop_last": False, "global_batch": 16}] * 2
+    assert compare(one, many).passed
 
 
 def test_the_json_report_is_strict_json_with_nan_losses():

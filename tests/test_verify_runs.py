@@ -138,3 +138,14 @@ def test_a_module_left_in_eval_mode_on_rank_0_alone_is_named_by_the_invariant():
     fixed = _verify("--steps", "6", script, "--fixed", cwd=ROOT)
     out, err = fixed.communicate(timeout=300)
     assert fixed.returncode == 0 and "PASS" in out, out + err
+
+
+@pytest.mark.slow
+def test_a_pass_over_the_loader_before_training_is_not_taken_for_the_epoch():
+    """The script counts its labels over the training loader first: that pass trains on
+    nothing, so it is neither the epoch that limits --steps nor part of step 1's samples
+    (before: "--steps 10 goes past the script's epoch of 1 optimizer steps")."""
+    proc = _verify("--steps", "10", os.path.join(ROOT, "tests", "data", "count_labels_first.py"),
+                   cwd=ROOT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "PASS" in out and "over 10 steps" in out, out + err

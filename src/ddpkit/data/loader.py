@@ -227,6 +227,11 @@ class DistributedLoader:
 
     def _watched(self, watch: Any, batch: Any) -> Any:
         end = self.batches_done * self.batch_size
+        if self.batches_done == 1:  # the samples this pass hands out, drop_last's cut included
+            planned = self.sampler.last_indices
+            if self.loader_kwargs.get("drop_last"):
+                planned = planned[:len(planned) // self.batch_size * self.batch_size]
+            watch.plan(self.epoch, planned)
         watch.batch(self.sampler.last_indices[end - self.batch_size:end],
                     last=self.batches_done == self.pass_batches)
         return watch.reorder(batch)

@@ -168,9 +168,13 @@ def _explain(verdict: Verdict, one: RunRecord, many: RunRecord, again: Optional[
             evidence.step_facts(one, many, index)
         found = (cause, why, facts)
     if found is None:  # the steps agree: the data later, the evaluation, a printed metric
-        later = loader_mismatch(one, many, "the steps compared agree but the data differs "
-                                           "later (another epoch, its end)")
-        found = (*later, ["rt.loader's settings per rank: " + "; ".join(
+        planned = evidence.epoch_samples(one, many)  # observed: the epoch's samples differ
+        later = loader_mismatch(one, many, f"the steps compared agree but {planned}") \
+            if planned else None
+        if planned and later is None:
+            later = ("samples", f"the steps compared agree but {planned}: look at how the "
+                                "script builds its rt.loader on N processes")
+        found = (*later, [f"rt.loader: {planned}", "rt.loader's settings per rank: " + "; ".join(
             str(loader) for loader in many.loaders)]) if later else None
         found = found or evidence.evaluation(one, many) or metrics.summed_metric(one, many)
     if found is not None:

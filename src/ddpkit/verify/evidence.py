@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .records import RunRecord, Step
 
 __all__ = ["Finding", "step_facts", "repeat_facts", "same_samples", "ranks_differ",
-           "replicas_part", "no_steps", "evaluation",
+           "replicas_part", "epoch_samples", "no_steps", "evaluation",
            "gradient_collectives", "what_was_compared"]
 
 #: (cause, one sentence, the evidence lines)
@@ -46,9 +46,11 @@ def step_facts(one: RunRecord, many: RunRecord, index: int) -> List[str]:
     if many.states and all(many.states):
         facts.append("model tensors at the first forward: "
                      + ("identical on every rank" if differ is None else differ[1]))
-    draws = [w for w, on in (("in the loop", a.random_loop or b.random_loop),
-                             ("in the forward", a.random_forward or b.random_forward)) if on]
-    facts.append("random draws between batch and step: " + (", ".join(draws) or "none"))
+    draws = [w for w, on in (("between a batch and its forward", a.random_loop or b.random_loop),
+                             ("inside the forward", a.random_forward or b.random_forward)) if on]
+    facts.append("random numbers drawn from torch, Python's random or NumPy: "
+                 + (", ".join(draws) if draws else "none between a batch and its forward, none "
+                    "inside the forward"))
     counts = [[c[1] for c in rank if c[0] == "mean"] for rank in b.loss_counts]
     if any(counts):
         facts.append(f"targets each rank's loss averaged over: "
@@ -132,6 +134,23 @@ def ranks_differ(many: RunRecord) -> Optional[Finding]:
             f"({len(names)} tensor(s) in all): {fix}; build them the same on every rank (the "
             "same seed), or keep broadcast_buffers=True",
             [f"{kind} {shown}: checksums differ between rank 0 and another rank at step 1"])
+
+
+def epoch_samples(one: RunRecord, many: RunRecord) -> Optional[str]:
+    """The first epoch whose samples (what ``rt.loader`` hands out in it, all ranks together)
+    differ between 1 and N processes, said in a line; None when every epoch both runs started
+    agrees. Observed data, beyond the steps compared (``drop_last`` cutting another tail).
+
+    Example::
+
+        epoch_samples(one, many)   # 'epoch 0 hands out 1438 samples on 1 process, 1408 on 2 ...'
+    """
+    for epoch in sorted(set(one.plans) & set(many.plans)):
+        (n1, h1), (nn, hn) = one.plans[epoch], many.plans[epoch]
+        if (n1, h1) != (nn, hn):
+            return (f"epoch {epoch} hands out {n1} samples on 1 process and {nn} on "
+                    f"{many.world_size}" + (" (other samples)" if n1 == nn else ""))
+    return None
 
 
 def replicas_part(many: RunRecord) -> Optional[Tuple[int, Finding]]:

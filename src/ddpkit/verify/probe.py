@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -96,6 +96,8 @@ class Probe:
         self.step = 0
         self._indices: List[int] = []     # samples consumed since the last optimizer step
         self._batch_samples: Optional[int] = None  # samples in the batch just handed out
+        self._pending: Optional[Tuple[List[int], bool]] = None  # (its samples, epoch's last)
+        self._untrained = 0               # batches in a row no training forward took
         self._losses: List[float] = []    # losses backpropagated since the last step
         self._clipped: Optional[float] = None  # clip_grad_norm_'s answer: the norm before it
         self._random_forward = False      # did a forward draw random numbers since the last step
@@ -236,11 +238,33 @@ class Probe:
         return reverse_batch(batch, self._batch_samples) if self.reverse else batch
 
     def batch(self, indices: List[int], last: bool) -> None:
-        """``rt.loader`` handed out a batch of these samples (``last``: the epoch's last)."""
-        self._indices.extend(int(i) for i in indices)
+        """``rt.loader`` handed out a batch of these samples (``last``: the epoch's last). It
+        counts for the step once a training forward takes it: a pass over the loader that
+        trains on nothing (counting labels, statistics, a warm-up) is said, not compared."""
+        if self._pending is not None:  # the batch before reached no training forward
+            self._untrained += 1
+            if self._pending[1]:
+                self._write({"event": "untrained_pass", "step": self.step,
+                             "batches": self._untrained})
+                self._untrained = 0
+        self._pending = ([int(i) for i in indices], last)
         self._batch_samples = len(indices)
         self._counts["batches"] += 1
         self._after_batch = watch.rng()
+
+    def plan(self, epoch: int, indices: List[int]) -> None:
+        """The samples ``rt.loader`` will hand this rank in the pass now starting, as a count
+        and an order-free checksum: summed over ranks, it is comparable with 1 process."""
+        self._write({"event": "plan", "epoch": epoch, "count": len(indices),
+                     "hash": watch.multiset_hash(indices)})
+
+    def _trained_on_batch(self) -> None:
+        """A training forward took the batch handed out last: its samples join the step."""
+        if self._pending is None:
+            return
+        indices, last = self._pending
+        self._pending, self._untrained = None, 0
+        self._indices.extend(indices)
         if last:
             self._write({"event": "epoch_end", "step": self.step})
 
@@ -256,6 +280,7 @@ class Probe:
             self._forward_rng[id(module)] = None  # draws in an evaluation are not training's
             return
         self._end_evaluation()
+        self._trained_on_batch()
         self._trained.add(id(module))
         if self._stepped_since_forward and self.step == 0:  # the model as training starts
             param = next(module.parameters(), None)

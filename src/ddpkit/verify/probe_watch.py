@@ -6,6 +6,7 @@ averaged over, and the lines a rank prints. Nothing here runs outside ``ddpkit v
 from __future__ import annotations
 
 import os
+import random
 import sys
 import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -13,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["reverse_batch", "ProbeHook", "rebind", "first_tensor", "row_digests", "state_digests", "replica_digests", "call_site", "watch_collectives",
+__all__ = ["multiset_hash", "reverse_batch", "ProbeHook", "rebind", "first_tensor", "row_digests", "state_digests", "replica_digests", "call_site", "watch_collectives",
            "watch_losses", "quiet_attention", "PrintTee", "COLLECTIVES", "number", "rng", "same",
            "autocast_dtype", "norm"]
 
@@ -272,17 +273,50 @@ def number(value: Any) -> Optional[float]:
         return None
 
 
-def rng() -> List[torch.Tensor]:
-    """The CPU generator's state, and the current GPU's once CUDA is in use (dropout on a GPU
-    draws from that one)."""
-    states = [torch.random.get_rng_state()]
+_MASK = (1 << 64) - 1
+
+
+def multiset_hash(indices: Iterable[int]) -> int:
+    """An order-free checksum of a multiset of sample indices: the sum (mod 2**64) of each
+    index's splitmix64, so the ranks' checksums add up to the whole run's.
+
+    Example::
+
+        multiset_hash([3, 1]) == multiset_hash([1, 3])   # True
+    """
+    total = 0
+    for i in indices:
+        x = (int(i) + 0x9E3779B97F4A7C15) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        total = (total + (x ^ (x >> 31))) & _MASK
+    return total
+
+
+def rng() -> List[Any]:
+    """Where every generator a script draws from stands: torch's CPU generator, the current
+    GPU's once CUDA is in use (dropout on a GPU draws from that one), and the global ones of
+    Python's ``random`` and of NumPy (as checksums of their states).
+
+    Example::
+
+        before = rng(); noise = np.random.rand(); same(before, rng())   # False
+    """
+    states: List[Any] = [torch.random.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states.append(torch.cuda.get_rng_state())
+    states.append(hash(random.getstate()))
+    numpy = sys.modules.get("numpy")  # only where the script (or a library) imported it
+    if numpy is not None:
+        _, keys, pos, *_rest = numpy.random.get_state()
+        states.append((zlib.crc32(keys.tobytes()), int(pos)))
     return states
 
 
-def same(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+def same(a: List[Any], b: List[Any]) -> bool:
+    """Whether two :func:`rng` readings are equal: nothing drawn between them."""
+    return len(a) == len(b) and all(
+        torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a, b))
 
 
 def autocast_dtype() -> Optional[str]:

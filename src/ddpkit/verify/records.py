@@ -7,7 +7,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["Step", "RunRecord", "load", "relative"]
 
@@ -66,6 +66,8 @@ class RunRecord:
     exits: List[Dict[str, Any]] = field(default_factory=list)  # per rank: batches, forwards
     sdpa_dropout_off: bool = False    # scaled_dot_product_attention's dropout_p was set to 0
     device: str = "cpu"               # where rank 0's model computed
+    untrained: List[int] = field(default_factory=list)  # batches of passes that trained nothing
+    plans: Dict[int, Tuple[int, int]] = field(default_factory=dict)  # epoch: (samples, checksum)
 
     def attention_off(self) -> int:
         """Dropout layers turned off for the comparison (nn.Dropout and attention's)."""
@@ -105,7 +107,22 @@ def load(directory: str) -> RunRecord:
         prints=[[e["text"] for e in rank if e["event"] == "print"] for rank in events],
         exits=[next((e for e in rank if e["event"] == "exit"), {}) for rank in events],
         sdpa_dropout_off=any(e["event"] == "sdpa_dropout_off" for r in events for e in r),
-        device=next((e.get("device", "cpu") for e in first if e["event"] == "state"), "cpu"))
+        device=next((e.get("device", "cpu") for e in first if e["event"] == "state"), "cpu"),
+        untrained=[e["batches"] for e in first if e["event"] == "untrained_pass"],
+        plans=_plans(events))
+
+
+def _plans(events: List[List[Dict[str, Any]]]) -> Dict[int, Tuple[int, int]]:
+    """Each epoch's samples over all ranks, from each rank's first pass of that epoch: (count,
+    order-free checksum); an epoch some rank did not start is left out."""
+    per_rank = [{} for _ in events]  # type: List[Dict[int, Tuple[int, int]]]
+    for mine, rank in zip(per_rank, events):
+        for e in rank:
+            if e["event"] == "plan":
+                mine.setdefault(e["epoch"], (e["count"], e["hash"]))
+    epochs = set.intersection(*(set(p) for p in per_rank)) if per_rank else set()
+    return {epoch: (sum(p[epoch][0] for p in per_rank),
+                    sum(p[epoch][1] for p in per_rank) % (1 << 64)) for epoch in sorted(epochs)}
 
 
 def _read(path: str) -> List[Dict[str, Any]]:

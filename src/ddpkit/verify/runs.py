@@ -225,13 +225,21 @@ def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool, npro
                                   accum)
         if steps > limit:
             advice = f"pass --steps {limit} or less" if limit else "give it more samples"
-            raise ConfigError(f"--steps {steps} goes past the script's epoch of {ends[0]} "
-                              f"optimizer steps{why}; {advice}")
+            seen = f" (before it, {_passes(record.untrained)} that trained on nothing, not " \
+                "counted)" if record.untrained else ""
+            raise ConfigError(f"--steps {steps} goes past the script's first training epoch "
+                              f"over its rt.loader: {ends[0]} optimizer steps{why}{seen}; "
+                              f"{advice}")
     if len(record.steps) < steps:
         raise ConfigError(f"{script} ended after {len(record.steps)} optimizer step(s), fewer "
                           f"than --steps {steps} on {record.world_size} process(es); pass "
                           f"--steps {len(record.steps)} or less")
     return record
+
+
+def _passes(batches: Sequence[int]) -> str:
+    return (f"a pass of {batches[0]} batch(es)" if len(batches) == 1 else
+            f"{len(batches)} passes of {', '.join(map(str, batches))} batches")
 
 
 def _epoch_limit(steps: int, loader: dict, nproc: int, accum: int) -> Tuple[int, str]:
