@@ -149,3 +149,27 @@ def test_a_pass_over_the_loader_before_training_is_not_taken_for_the_epoch():
                    cwd=ROOT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "PASS" in out and "over 10 steps" in out, out + err
+
+
+def test_a_printed_number_is_compared_once_one_process_printed_it_alike_twice():
+    from ddpkit.verify.compare import compare
+    from test_verify import _run
+    one, many, again = _run([1.0]), _run([1.0], world=2), _run([1.0])
+    one.late_prints = [["val acc 0.2500 (100 samples) in 1.31 s"]]
+    again.late_prints = [["val acc 0.2500 (100 samples) in 1.52 s"]]   # a time: not compared
+    many.late_prints = [["val acc 0.2500 (50 samples) in 0.70 s"]]     # an integer: not either
+    assert compare(one, many, None, again).passed
+    many.late_prints = [["val acc 0.2600 (50 samples) in 0.70 s"]]
+    verdict = compare(one, many, None, again)
+    assert verdict.cause == "printed-metric" and "0.26 against 0.25" in verdict.why
+
+
+@pytest.mark.slow
+def test_an_accuracy_from_rank_0s_share_alone_is_named_though_the_samples_add_up():
+    script = os.path.join(ROOT, "tests", "data", "eval_local_shard.py")
+    bug = _verify("--steps", "4", script, cwd=ROOT)
+    out, err = bug.communicate(timeout=300)
+    assert bug.returncode == 1 and "FAIL [printed-metric]" in out, out + err
+    fixed = _verify("--steps", "4", script, "--fixed", cwd=ROOT)
+    out, err = fixed.communicate(timeout=300)
+    assert fixed.returncode == 0 and "PASS" in out, out + err

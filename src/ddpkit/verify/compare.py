@@ -176,12 +176,14 @@ def _explain(verdict: Verdict, one: RunRecord, many: RunRecord, again: Optional[
                                 "script builds its rt.loader on N processes")
         found = (*later, [f"rt.loader: {planned}", "rt.loader's settings per rank: " + "; ".join(
             str(loader) for loader in many.loaders)]) if later else None
-        found = found or evidence.evaluation(one, many) or metrics.summed_metric(one, many)
+        found = found or evidence.evaluation(one, many) or \
+            metrics.summed_metric(one, many) or metrics.printed_differs(one, many, again,
+                                                                         verdict.band)
     if found is not None:
         verdict.passed = False
         verdict.cause, verdict.why, verdict.evidence = found
         if verdict.cause in ("no-steps", "same-samples", "ranks-differ", "evaluation",
-                             "metric-summed"):
+                             "metric-summed", "printed-metric"):
             verdict.first_divergent = None
         return
     verdict.notes = evidence.what_was_compared(one, many, eval_within)

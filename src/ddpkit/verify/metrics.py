@@ -1,6 +1,8 @@
 """The numbers a script prints, 1 process against N: a metric that rank 0 prints N times
 larger, traced to the script's own ``all_reduce(SUM)`` that returned it (the ranks' values
-added and never divided by the world size).
+added and never divided by the world size); any other number rank 0 prints after training began
+that differs from what 1 process prints at the same point, where 1 process printed it alike
+twice (a value computed from rank 0's part of the data, never reduced).
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from .records import RunRecord
 
-__all__ = ["numbers", "template", "summed_metric"]
+__all__ = ["numbers", "template", "summed_metric", "printed_differs"]
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.(\d+))?(?:[eE][-+]?\d+)?")
 
@@ -91,3 +93,44 @@ def summed_metric(one: RunRecord, many: RunRecord) -> Optional[Tuple[str, str, L
                      f"printed on {n} processes: {line_many.strip()!r}"])
     return None
 
+
+
+def _is_float(text: str) -> bool:
+    return "." in text or "e" in text.lower()
+
+
+def printed_differs(one: RunRecord, many: RunRecord, again: Optional[RunRecord],
+                    band: float = 1e-6) -> Optional[Tuple[str, str, List[str]]]:
+    """``(cause, sentence, evidence)`` for the first number (with a decimal point) rank 0
+    prints after a step on N processes that differs from the 1-process line of the same print
+    at the same point beyond its rounding and ``band`` (relative, at least 1e-5), while 1
+    process printed that number alike twice (``again``: a time or a rate is no metric); else
+    None. Integers (counts, sizes per rank) are left out.
+
+    Example::
+
+        printed_differs(one, many, again)   # ('printed-metric', "rank 0 prints 'acc 0.81' ...", ...)
+    """
+    if again is None or not one.late_prints or not many.late_prints or not again.late_prints:
+        return None
+    repeat = dict(_pairs(one.late_prints[0], again.late_prints[0]))
+    for line_one, line_many in _pairs(one.late_prints[0], many.late_prints[0]):
+        line_again = repeat.get(line_one)
+        if line_again is None:
+            continue
+        texts = [m.group(0) for m in _NUMBER.finditer(line_one)]
+        for text, (a, da), (r, dr), (b, db) in zip(texts, numbers(line_one),
+                                                  numbers(line_again), numbers(line_many)):
+            if not _is_float(text) or abs(a - r) > da + dr:
+                continue
+            if abs(b - a) > da + db + max(band, 1e-5) * max(abs(a), abs(b)):
+                return ("printed-metric",
+                        f"rank 0 prints {line_many.strip()!r} on {many.world_size} processes "
+                        f"where 1 process prints {line_one.strip()!r} at the same point "
+                        f"({b:g} against {a:g}), though the steps compared agree: the number "
+                        "is not what one process computes; a value from rank 0's part of the "
+                        "data alone (a metric not reduced over ranks) prints so; reduce "
+                        "(sum, count) over ranks (rt.mean, rt.evaluate)",
+                        [f"printed on 1 process (twice alike): {line_one.strip()!r}",
+                         f"printed by rank 0 of {many.world_size}: {line_many.strip()!r}"])
+    return None

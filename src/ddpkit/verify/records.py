@@ -63,6 +63,7 @@ class RunRecord:
     evals: List[List[List[int]]] = field(default_factory=list)  # per rank, per evaluation
     collectives: List[List[Dict[str, Any]]] = field(default_factory=list)  # per rank
     prints: List[List[str]] = field(default_factory=list)  # per rank: the lines it printed
+    late_prints: List[List[str]] = field(default_factory=list)  # the same, after a step
     exits: List[Dict[str, Any]] = field(default_factory=list)  # per rank: batches, forwards
     sdpa_dropout_off: bool = False    # scaled_dot_product_attention's dropout_p was set to 0
     device: str = "cpu"               # where rank 0's model computed
@@ -105,6 +106,8 @@ def load(directory: str) -> RunRecord:
         evals=[[e["rows"] for e in rank if e["event"] == "eval"] for rank in events],
         collectives=[[e for e in rank if e["event"] == "collective"] for rank in events],
         prints=[[e["text"] for e in rank if e["event"] == "print"] for rank in events],
+        late_prints=[[e["text"] for e in rank if e["event"] == "print" and e.get("step", 0) > 0]
+                     for rank in events],
         exits=[next((e for e in rank if e["event"] == "exit"), {}) for rank in events],
         sdpa_dropout_off=any(e["event"] == "sdpa_dropout_off" for r in events for e in r),
         device=next((e.get("device", "cpu") for e in first if e["event"] == "state"), "cpu"),

@@ -283,7 +283,7 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
         def run(name: str, n: Optional[int], reverse: bool) -> RunRecord:
             return run_script(script, args, n or nproc, steps, os.path.join(tmp, name), reverse,
                               timeout, whole_epoch=name == "one", accum=accum, nproc_many=nproc,
-                              eval_within=eval_within if name in ("one", "many") else 0)
+                              eval_within=eval_within if name != "reordered" else 0)
         try:
             records["one"] = run(*PLAN[0])
             _check_divides(records["one"], nproc)
