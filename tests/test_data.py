@@ -483,3 +483,39 @@ def test_a_loader_with_no_batch_is_one_line():
                                           r"most 10 or drop_last=False"):
         make_loader(TensorDataset(torch.zeros(10, 2)), 16, _env(0, 2), drop_last=True)
     assert len(make_loader(TensorDataset(torch.zeros(10, 2)), 16, _env(0, 2))) == 1
+
+
+class _Noisy(torch.utils.data.Dataset):
+    """Each sample with noise from torch's, Python's and NumPy's global generators."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        import random as pyrandom
+
+        import numpy as np
+        return torch.tensor([float(i), float(torch.rand(())), pyrandom.random(),
+                             float(np.random.rand())])
+
+
+def _augmented(world, **kw):
+    """Every sample's row as the ranks of a ``world`` draw it, by sample index."""
+    rows = {}
+    for rank in range(world):
+        torch.manual_seed(100 + rank)  # the caller's streams differ: they must not matter
+        for batch in make_loader(_Noisy(), 12, _env(rank, world), seed=3, **kw):
+            rows.update({int(r[0]): r for r in batch})
+    return rows
+
+
+def test_seed_each_sample_augments_every_sample_alike_at_any_world_size():
+    one, two = _augmented(1, seed_each_sample=True), _augmented(2, seed_each_sample=True)
+    assert sorted(one) == sorted(two) == list(range(24))
+    assert all(torch.equal(one[i], two[i]) for i in one)
+    torch.manual_seed(7)   # the caller's stream (dropout, say) is left where it was
+    before = torch.random.get_rng_state()
+    list(make_loader(_Noisy(), 12, _env(0, 1), seed=3, seed_each_sample=True))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    plain_one, plain_two = _augmented(1), _augmented(2)   # by default: depends on the split
+    assert not all(torch.equal(plain_one[i], plain_two[i]) for i in plain_one)

@@ -8,7 +8,6 @@ import os
 import re
 
 import pytest
-import torch
 
 import ddpkit
 import own_loop_script

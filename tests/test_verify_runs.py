@@ -22,7 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LM = os.path.join(ROOT, "tests", "data", "lm_real_shaped.py")
 
 
-def test_a_watched_model_pickles_and_deep_copies_without_the_probe(tmp_path):
+def test_a_watched_model_pickles_and_deep_copies_without_the_probe(tmp_path, monkeypatch):
+    functional = nn.functional  # put back after the test: the probe quiets attention's dropout
+    monkeypatch.setattr(functional, "scaled_dot_product_attention",
+                        functional.scaled_dot_product_attention)
     probe = Probe(str(tmp_path), rank=0, world_size=1, steps=1)
     net = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.LSTM(3, 3, 2, dropout=0.3))
     probe.model(net)
@@ -155,13 +158,16 @@ def test_a_printed_number_is_compared_once_one_process_printed_it_alike_twice():
     from ddpkit.verify.compare import compare
     from test_verify import _run
     one, many, again = _run([1.0]), _run([1.0], world=2), _run([1.0])
-    one.late_prints = [["val acc 0.2500 (100 samples) in 1.31 s"]]
+    one.late_prints = one.eval_prints = [["val acc 0.2500 (100 samples) in 1.31 s"]]
     again.late_prints = [["val acc 0.2500 (100 samples) in 1.52 s"]]   # a time: not compared
-    many.late_prints = [["val acc 0.2500 (50 samples) in 0.70 s"]]     # an integer: not either
+    many.late_prints = many.eval_prints = [["val acc 0.2500 (50 samples) in 0.70 s"]]  # an int
     assert compare(one, many, None, again).passed
-    many.late_prints = [["val acc 0.2600 (50 samples) in 0.70 s"]]
+    many.late_prints = many.eval_prints = [["val acc 0.2600 (50 samples) in 0.70 s"]]
     verdict = compare(one, many, None, again)
     assert verdict.cause == "printed-metric" and "0.26 against 0.25" in verdict.why
+    many.eval_prints = [[]]   # printed in training (rank 0's batch loss, say): a note
+    verdict = compare(one, many, None, again)
+    assert verdict.passed and any("rank 0 prints 'val acc 0.2600" in n for n in verdict.notes)
 
 
 @pytest.mark.slow

@@ -77,9 +77,12 @@ class ResumableSampler(DistributedSampler):
         return rest
 
     def __iter__(self) -> Iterator[int]:
-        indices = self._remaining(self._epoch_indices())
+        epoch = self._epoch_indices()
+        indices = self._remaining(epoch)
+        pad = max(0, len(indices) - (len(epoch) - self.start))
         self.start = self.pad_base = 0
         self.last_indices = self._shard(indices)  # what ddpkit verify records
+        self.last_padding = indices[len(indices) - pad:] if pad else []  # the same on every rank
         return iter(self.last_indices)
 
     def _shard(self, indices: list) -> list:
@@ -168,6 +171,9 @@ class DistributedLoader:
         self._finished = False   # the pass ran to its end (the next pass is the next epoch)
         self.pass_batches = len(self)  # batches in the pass in progress (less after a resume)
         self.watched = False     # its batches are what ddpkit verify records
+        #: every sample's random draws from its own seed (run seed, epoch, sample): the same
+        #: augmentation at any world size (make_loader's ``seed_each_sample``)
+        self.seed_each_sample = False
 
     def __len__(self) -> int:
         """Batches per rank in a full epoch."""
@@ -186,11 +192,15 @@ class DistributedLoader:
         # persistent workers (the default when num_workers > 0) keep serving later epochs.
         # Under ddpkit verify every sample draws from its own seed, so augmentation does not
         # depend on how a batch is split over ranks.
-        verify = observe.active() is not None
-        tagged = self.loader_kwargs.get("num_workers", 0) > 0 or verify
+        watch = observe.active()
+        each = self.seed_each_sample or watch is not None
+        workers = self.loader_kwargs.get("num_workers", 0)
+        tagged = workers > 0 or each
         n = len(self.dataset)  # type: ignore[arg-type]
-        seeded = SeededEachSample if verify else SeededSamples
-        loader = DataLoader(seeded(self.dataset, self.seed, n) if tagged else self.dataset,
+        on_draw = getattr(watch, "dataset_draws", None) if self.watched and not workers else None
+        data = (SeededEachSample(self.dataset, self.seed, n, on_draw) if each else
+                SeededSamples(self.dataset, self.seed, n)) if tagged else self.dataset
+        loader = DataLoader(data,
                             batch_size=self.batch_size,
                             sampler=EpochTagged(self.sampler, n) if tagged else self.sampler,
                             worker_init_fn=WorkerInit(self.seed, self.rank, self.epoch),
@@ -231,7 +241,7 @@ class DistributedLoader:
             planned = self.sampler.last_indices
             if self.loader_kwargs.get("drop_last"):
                 planned = planned[:len(planned) // self.batch_size * self.batch_size]
-            watch.plan(self.epoch, planned)
+            watch.plan(self.epoch, planned, self.sampler.last_padding)
         watch.batch(self.sampler.last_indices[end - self.batch_size:end],
                     last=self.batches_done == self.pass_batches)
         return watch.reorder(batch)
@@ -334,7 +344,7 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *, accum_ste
                 drop_last: bool = False, seed: int = 0, num_workers: int = 0,
                 persistent_workers: bool = True, device: Optional[torch.device] = None,
                 collate_fn: Optional[Callable] = None, resident: Union[str, bool] = "auto",
-                **loader_kwargs: Any) -> DistributedLoader:
+                seed_each_sample: bool = False, **loader_kwargs: Any) -> DistributedLoader:
     """Build the training loader from the *global* batch of one optimizer step (or an explicit
     per-rank micro-batch): each batch it gives is one micro-batch of
     ``batch_size / (world size x accum_steps)`` samples (see :mod:`ddpkit.data.batch`).
@@ -344,10 +354,18 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *, accum_ste
     in a quarter of the free memory, ``True`` always (CPU too), ``False`` never. Resident data
     ignores ``num_workers`` and ``collate_fn``; the sampler, epochs and resume are the same.
 
+    ``seed_each_sample=True`` draws every sample's augmentation (torch, ``random`` and NumPy in
+    ``__getitem__``) from a seed of its own (run seed, epoch, sample), the caller's generators
+    left as they were: each sample is augmented alike on any number of processes (and after
+    a resume at another world size), with or without workers. It costs a seeding per sample
+    (about 23 us a sample here: benchmarks/seed_each_sample.py); by default what a sample draws depends on the samples fetched before it
+    (each batch seeded once in a worker; one stream per rank without workers).
+
     Example::
 
         loader = make_loader(train_set, batch_size=256, env=env, seed=0, num_workers=2)
         len(loader)   # batches per rank per epoch
+        make_loader(train_set, 256, env, seed_each_sample=True)   # the same at any world size
     """
     per_rank = per_rank_batch or split_batch(batch_size, env.world_size, accum_steps)
     if num_workers < 0:
@@ -376,12 +394,14 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *, accum_ste
         if collate_fn is None or resident is True else None
     loader = DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)
     loader.watched = watch is not None
+    loader.seed_each_sample = seed_each_sample
     _check_not_empty(loader, len(dataset), batch_size, env.world_size)  # type: ignore[arg-type]
     if watch is not None:  # ddpkit verify: how the loader was asked for
         watch.loader({"seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                       "batch_per_rank": per_rank, "samples": len(dataset),  # type: ignore
                       "batches": len(loader), "micro_steps": micro,
-                      "global_batch": per_rank * env.world_size * micro})
+                      "global_batch": per_rank * env.world_size * micro,
+                      "seed_each_sample": seed_each_sample})
     return loader
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import Dataset, Sampler
@@ -122,12 +122,33 @@ class SeededSamples(Dataset):
 class SeededEachSample(SeededSamples):
     """Every sample's draws from its own :func:`sample_seed`, the caller's generators left as
     they were: what a sample's augmentation draws no longer depends on how the batch is split
-    over ranks (``ddpkit verify`` compares 1 process with N this way, workers or none).
+    over ranks, so the same run at any world size (or resumed at another one) augments every
+    sample alike (``rt.loader(seed_each_sample=True)``; ``ddpkit verify`` compares 1 process
+    with N this way). ``on_draw``, if given, is called once, with the generators a sample's
+    ``__getitem__`` drew from, the first time one does (in this process: no workers).
 
     Example::
 
         SeededEachSample(train_set, seed=0, length=len(train_set))[3 * len(train_set) + 17]
     """
+
+    def __init__(self, dataset: Dataset, seed: int, length: int,
+                 on_draw: Optional[Callable[[List[str]], None]] = None) -> None:
+        super().__init__(dataset, seed, length)
+        self.on_draw = on_draw
+
+    def __getitem__(self, tagged: int) -> Any:
+        if self.on_draw is None:
+            return super().__getitem__(tagged)
+        index = self._seed(tagged)
+        seeded = _states()
+        sample = self.dataset[index]
+        drew = [name for name, a, b in zip(("torch", "random", "numpy"), seeded, _states())
+                if not _equal(a, b)]
+        if drew:
+            self.on_draw(drew)
+            self.on_draw = None
+        return sample
 
     def __getitems__(self, tagged: List[int]) -> List[Any]:
         saved = (torch.random.get_rng_state(), random.getstate(),
@@ -139,3 +160,19 @@ class SeededEachSample(SeededSamples):
             random.setstate(saved[1])
             if _numpy is not None:
                 _numpy.random.set_state(saved[2])
+
+    def __getstate__(self) -> Dict[str, Any]:  # to workers: the callback stays here
+        return {**self.__dict__, "on_draw": None}
+
+
+def _states() -> tuple:
+    return (torch.random.get_rng_state(), random.getstate(),
+            _numpy.random.get_state()[1].copy() if _numpy is not None else None)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    if _numpy is not None and isinstance(a, _numpy.ndarray):
+        return bool((a == b).all())
+    return a == b

@@ -186,7 +186,8 @@ def _explain(verdict: Verdict, one: RunRecord, many: RunRecord, again: Optional[
                              "metric-summed", "printed-metric"):
             verdict.first_divergent = None
         return
-    verdict.notes = evidence.what_was_compared(one, many, eval_within)
+    verdict.notes = evidence.what_was_compared(one, many, eval_within) + \
+        metrics.printed_notes(one, many, again, verdict.band)
     twice = evidence.gradient_collectives(many)
     if twice:
         verdict.notes.append(f"the script reduces gradients itself at {twice[0]['site']} on "

@@ -260,6 +260,41 @@ def gradient_collectives(many: RunRecord) -> List[Dict[str, Any]]:
     return [c for c in calls if c.get("grad") and c.get("phase") == "train"]
 
 
+_NAMES = {"torch": "torch's", "random": "Python's random", "numpy": "NumPy's"}
+
+
+def augmentation_notes(one: RunRecord, many: RunRecord) -> List[str]:
+    """What verify changed to compare augmentation, and what it saw of the script's own
+    draws: each sample seeded on its own; ranks whose generators stand alike as the dataset
+    draws from them (in the script's own runs every rank then augments with the same numbers).
+
+    Example::
+
+        augmentation_notes(one, many)   # ["the dataset draws from NumPy's generator: ...", ...]
+    """
+    loader = one.loaders[0] if one.loaders else {}
+    if loader.get("seed_each_sample"):
+        return ["augmentation compared as the script draws it: rt.loader(seed_each_sample=True)"]
+    if not one.draws and not many.draws:
+        return []
+    drawn = [g for g in _NAMES if g in set(one.draws) | set(many.draws)]
+    names = " and ".join(f"{_NAMES.get(g, g)} generator" for g in drawn)
+    notes = [f"the dataset draws from {names}: verify seeded each sample's draws on its own "
+             "(run seed, epoch, sample) so 1 and N processes augment alike; in the script's "
+             "own runs what a sample draws depends on the samples fetched before it, so on the "
+             "number of processes: rt.loader(..., seed_each_sample=True) makes it the same"]
+    streams = [s for s in many.streams if s]
+    alike = [g for g in drawn if len(streams) > 1 and g in streams[0] and
+             all(s.get(g) == streams[0][g] for s in streams[1:])]
+    if alike:
+        notes.append(f"warning: {', '.join(_NAMES.get(g, g) for g in alike)} generator stands "
+                     f"alike on all {many.world_size} ranks as the dataset draws from it: in the "
+                     "script's own runs every rank augments its samples with the same numbers "
+                     "(seeded alike on every rank); seed it per rank, or pass "
+                     "rt.loader(..., seed_each_sample=True)")
+    return notes
+
+
 def what_was_compared(one: RunRecord, many: RunRecord, eval_within: int) -> List[str]:
     """The notes a PASS carries: what was compared and what was not.
 
@@ -286,6 +321,7 @@ def what_was_compared(one: RunRecord, many: RunRecord, eval_within: int) -> List
                      "steps (--eval-within)")
     else:
         notes.append("evaluation not compared (--eval-within 0)")
+    notes.extend(augmentation_notes(one, many))
     sites = sorted({c["site"] for rank in many.collectives for c in rank})
     if sites:
         notes.append(f"the script's own collectives at {', '.join(sites[:3])}: checked "

@@ -11,7 +11,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from .records import RunRecord
 
-__all__ = ["numbers", "template", "summed_metric", "printed_differs"]
+__all__ = ["numbers", "template", "summed_metric", "printed_differs", "printed_notes"]
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.(\d+))?(?:[eE][-+]?\d+)?")
 
@@ -102,19 +102,56 @@ def _is_float(text: str) -> bool:
 def printed_differs(one: RunRecord, many: RunRecord, again: Optional[RunRecord],
                     band: float = 1e-6) -> Optional[Tuple[str, str, List[str]]]:
     """``(cause, sentence, evidence)`` for the first number (with a decimal point) rank 0
-    prints after a step on N processes that differs from the 1-process line of the same print
-    at the same point beyond its rounding and ``band`` (relative, at least 1e-5), while 1
-    process printed that number alike twice (``again``: a time or a rate is no metric); else
-    None. Integers (counts, sizes per rank) are left out.
+    prints after an evaluation on N processes that differs from the 1-process line of the same
+    print beyond its rounding and ``band`` (relative, at least 1e-5), where 1 process printed
+    it alike twice (``again``: a time or a rate is no metric) and nothing random was drawn
+    since the step before; else None. Integers (counts, sizes per rank) are left out.
 
     Example::
 
         printed_differs(one, many, again)   # ('printed-metric', "rank 0 prints 'acc 0.81' ...", ...)
     """
-    if again is None or not one.late_prints or not many.late_prints or not again.late_prints:
+    found = _first_difference(one.eval_prints, many.eval_prints, again, band)
+    if found is None:
         return None
-    repeat = dict(_pairs(one.late_prints[0], again.late_prints[0]))
-    for line_one, line_many in _pairs(one.late_prints[0], many.late_prints[0]):
+    line_one, line_many, a, b = found
+    return ("printed-metric",
+            f"rank 0 prints {line_many!r} after an evaluation on {many.world_size} processes "
+            f"where 1 process prints {line_one!r} at the same point ({b:g} against {a:g}), "
+            "though the steps compared agree: the number is not what one process computes; a "
+            "value from rank 0's part of the data alone (a metric not reduced over ranks) "
+            "prints so; reduce (sum, count) over ranks (rt.evaluate, ddpkit.comm.reduce)",
+            [f"printed on 1 process (twice alike): {line_one!r}",
+             f"printed by rank 0 of {many.world_size}: {line_many!r}"])
+
+
+def printed_notes(one: RunRecord, many: RunRecord, again: Optional[RunRecord],
+                  band: float = 1e-6) -> List[str]:
+    """A note for a PASS: the first number rank 0 prints in training (not after an evaluation)
+    that differs from 1 process's as :func:`printed_differs` compares them (a loss of rank
+    0's batch alone, say).
+
+    Example::
+
+        printed_notes(one, many, again)   # ["rank 0 prints 'loss 0.1090' where ..."]
+    """
+    found = _first_difference(one.late_prints, many.late_prints, again, band)
+    if found is None:
+        return []
+    line_one, line_many, a, b = found
+    return [f"rank 0 prints {line_many!r} where 1 process prints {line_one!r} ({b:g} against "
+            f"{a:g}): a number from rank 0's part of the batch; rt.mean(...) prints the whole "
+            "batch's"]
+
+
+def _first_difference(one: List[List[str]], many: List[List[str]], again: Optional[RunRecord],
+                      band: float) -> Optional[Tuple[str, str, float, float]]:
+    """The first pair of lines (1 process, rank 0 of N) of the same print whose numbers
+    differ, among numbers that 1 process printed alike twice."""
+    if again is None or not one or not many or not again.late_prints:
+        return None
+    repeat = dict(_pairs(one[0], again.late_prints[0]))
+    for line_one, line_many in _pairs(one[0], many[0]):
         line_again = repeat.get(line_one)
         if line_again is None:
             continue
@@ -124,13 +161,5 @@ def printed_differs(one: RunRecord, many: RunRecord, again: Optional[RunRecord],
             if not _is_float(text) or abs(a - r) > da + dr:
                 continue
             if abs(b - a) > da + db + max(band, 1e-5) * max(abs(a), abs(b)):
-                return ("printed-metric",
-                        f"rank 0 prints {line_many.strip()!r} on {many.world_size} processes "
-                        f"where 1 process prints {line_one.strip()!r} at the same point "
-                        f"({b:g} against {a:g}), though the steps compared agree: the number "
-                        "is not what one process computes; a value from rank 0's part of the "
-                        "data alone (a metric not reduced over ranks) prints so; reduce "
-                        "(sum, count) over ranks (rt.mean, rt.evaluate)",
-                        [f"printed on 1 process (twice alike): {line_one.strip()!r}",
-                         f"printed by rank 0 of {many.world_size}: {line_many.strip()!r}"])
+                return line_one.strip(), line_many.strip(), a, b
     return None

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import probe_watch as watch
 from .microsteps import HoldBack
+from .probe_loader import LoaderWatch
 from .probe_watch import ProbeHook as _Hook, rebind as _rebind, reverse_batch
 
 __all__ = ["VERIFY_VAR", "STEPS_VAR", "ORDER_VAR", "ACCUM_VAR", "EVAL_VAR", "Probe", "start",
@@ -73,7 +74,7 @@ def start(rank: int, world_size: int, environ: Any = None,
     return _ACTIVE
 
 
-class Probe:
+class Probe(LoaderWatch):
     """One rank's recorder. Example::
 
         probe = Probe("/tmp/verify/n2", rank=0, world_size=2, steps=10); probe.install()
@@ -110,6 +111,8 @@ class Probe:
         self._loss_counts: List[List[Any]] = []  # (reduction, targets) of each loss call
         self._eval: Optional[List[int]] = None  # an evaluation in progress: its samples
         self._evals = 0                   # evaluations ended
+        self._evals_at_step = 0           # ... by the last optimizer step
+        self._rng_at_step = watch.rng()   # the generators as the last step ended
         self._counts = {"batches": 0, "forwards": 0, "rows": 0}
         self._stepped_since_forward = True  # the next training forward starts a step
         self._write({"event": "start", "rank": rank, "world_size": world_size,
@@ -164,10 +167,16 @@ class Probe:
         # `from torch.nn.utils import clip_grad_norm_`, `from torch.distributed import
         # all_reduce` in scripts: their names too, in one pass over the loaded modules
         _rebind(dict([(clip, recorded_clip), *pairs]))
-        sys.stdout = watch.PrintTee(sys.stdout, lambda line: self._write(
-            {"event": "print", "text": line, "step": self.step}))
+        sys.stdout = watch.PrintTee(sys.stdout, self._printed)
         import atexit
         atexit.register(self._exit)
+
+    def _printed(self, line: str) -> None:
+        """A line rank 0 printed: after an evaluation since the last step (its metric), and
+        whether random numbers were drawn since that step (then no exact number to compare)."""
+        self._write({"event": "print", "text": line, "step": self.step,
+                     "eval": self._eval is not None or self._evals > self._evals_at_step,
+                     "random": not watch.same(self._rng_at_step, watch.rng())})
 
     def _watch_loss_scale(self) -> None:
         """GradScaler.scale(loss): remember the factor, so the loss recorded is the loss."""
@@ -218,55 +227,6 @@ class Probe:
         if not getattr(self, "_said_sdpa", False):
             self._said_sdpa = True
             self._write({"event": "sdpa_dropout_off"})
-
-    def claim_loader(self) -> bool:
-        """True for the script's first ``rt.loader`` (the training data): the one whose batches
-        are recorded, and split into micro-batches under ``--accum-steps``."""
-        first, self._watching_loader = not self._watching_loader, True
-        return first
-
-    def loader(self, config: Dict[str, Any]) -> None:
-        """``rt.loader`` says how it was built (seed, shuffle, drop_last, batch)."""
-        self._write({"event": "loader", **config})
-
-    def foreign_loader(self) -> None:
-        """A DataLoader that is not ``rt.loader``'s was iterated (a sampler of the script's own)."""
-        self._write({"event": "foreign_loader", "step": self.step})
-
-    def reorder(self, batch: Any) -> Any:
-        """The batch as this run feeds it: reversed when it checks the reduction order."""
-        return reverse_batch(batch, self._batch_samples) if self.reverse else batch
-
-    def batch(self, indices: List[int], last: bool) -> None:
-        """``rt.loader`` handed out a batch of these samples (``last``: the epoch's last). It
-        counts for the step once a training forward takes it: a pass over the loader that
-        trains on nothing (counting labels, statistics, a warm-up) is said, not compared."""
-        if self._pending is not None:  # the batch before reached no training forward
-            self._untrained += 1
-            if self._pending[1]:
-                self._write({"event": "untrained_pass", "step": self.step,
-                             "batches": self._untrained})
-                self._untrained = 0
-        self._pending = ([int(i) for i in indices], last)
-        self._batch_samples = len(indices)
-        self._counts["batches"] += 1
-        self._after_batch = watch.rng()
-
-    def plan(self, epoch: int, indices: List[int]) -> None:
-        """The samples ``rt.loader`` will hand this rank in the pass now starting, as a count
-        and an order-free checksum: summed over ranks, it is comparable with 1 process."""
-        self._write({"event": "plan", "epoch": epoch, "count": len(indices),
-                     "hash": watch.multiset_hash(indices)})
-
-    def _trained_on_batch(self) -> None:
-        """A training forward took the batch handed out last: its samples join the step."""
-        if self._pending is None:
-            return
-        indices, last = self._pending
-        self._pending, self._untrained = None, 0
-        self._indices.extend(indices)
-        if last:
-            self._write({"event": "epoch_end", "step": self.step})
 
     # ------------------------------------------------------------------ hooks
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
@@ -341,6 +301,7 @@ class Probe:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step += 1
+        self._evals_at_step, self._rng_at_step = self._evals, watch.rng()
         self._stepped_since_forward = True
         if self.step <= self.steps:
             params = [p.detach() for group in optimizer.param_groups for p in group["params"]]

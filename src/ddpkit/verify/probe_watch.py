@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["multiset_hash", "reverse_batch", "ProbeHook", "rebind", "first_tensor", "row_digests", "state_digests", "replica_digests", "call_site", "watch_collectives",
+__all__ = ["multiset_hash", "stream_digests", "reverse_batch", "ProbeHook", "rebind", "first_tensor", "row_digests", "state_digests", "replica_digests", "call_site", "watch_collectives",
            "watch_losses", "quiet_attention", "PrintTee", "COLLECTIVES", "number", "rng", "same",
            "autocast_dtype", "norm"]
 
@@ -291,6 +291,22 @@ def multiset_hash(indices: Iterable[int]) -> int:
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
         total = (total + (x ^ (x >> 31))) & _MASK
     return total
+
+
+def stream_digests() -> Dict[str, int]:
+    """A CRC-32 of the state of torch's CPU generator, Python's ``random`` and NumPy's global
+    generator, by name: equal on two ranks, they draw the same numbers next.
+
+    Example::
+
+        stream_digests()   # {'torch': 2216..., 'random': 91..., 'numpy': 3020...}
+    """
+    out = {"torch": zlib.crc32(torch.random.get_rng_state().numpy().tobytes()),
+           "random": zlib.crc32(repr(random.getstate()).encode())}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        out["numpy"] = zlib.crc32(numpy.random.get_state()[1].tobytes())
+    return out
 
 
 def rng() -> List[Any]:

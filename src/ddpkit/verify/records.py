@@ -63,12 +63,15 @@ class RunRecord:
     evals: List[List[List[int]]] = field(default_factory=list)  # per rank, per evaluation
     collectives: List[List[Dict[str, Any]]] = field(default_factory=list)  # per rank
     prints: List[List[str]] = field(default_factory=list)  # per rank: the lines it printed
-    late_prints: List[List[str]] = field(default_factory=list)  # the same, after a step
+    late_prints: List[List[str]] = field(default_factory=list)  # after a step, nothing random
+    eval_prints: List[List[str]] = field(default_factory=list)  # of those, after an evaluation
     exits: List[Dict[str, Any]] = field(default_factory=list)  # per rank: batches, forwards
     sdpa_dropout_off: bool = False    # scaled_dot_product_attention's dropout_p was set to 0
     device: str = "cpu"               # where rank 0's model computed
     untrained: List[int] = field(default_factory=list)  # batches of passes that trained nothing
     plans: Dict[int, Tuple[int, int]] = field(default_factory=dict)  # epoch: (samples, checksum)
+    draws: List[str] = field(default_factory=list)  # generators the dataset drew from (no workers)
+    streams: List[Dict[str, int]] = field(default_factory=list)  # per rank, at its first pass
 
     def attention_off(self) -> int:
         """Dropout layers turned off for the comparison (nn.Dropout and attention's)."""
@@ -106,26 +109,37 @@ def load(directory: str) -> RunRecord:
         evals=[[e["rows"] for e in rank if e["event"] == "eval"] for rank in events],
         collectives=[[e for e in rank if e["event"] == "collective"] for rank in events],
         prints=[[e["text"] for e in rank if e["event"] == "print"] for rank in events],
-        late_prints=[[e["text"] for e in rank if e["event"] == "print" and e.get("step", 0) > 0]
-                     for rank in events],
+        late_prints=[[e["text"] for e in rank if e["event"] == "print" and e.get("step", 0) > 0
+                      and not e.get("random")] for rank in events],
+        eval_prints=[[e["text"] for e in rank if e["event"] == "print" and e.get("step", 0) > 0
+                      and not e.get("random") and e.get("eval")] for rank in events],
         exits=[next((e for e in rank if e["event"] == "exit"), {}) for rank in events],
         sdpa_dropout_off=any(e["event"] == "sdpa_dropout_off" for r in events for e in r),
         device=next((e.get("device", "cpu") for e in first if e["event"] == "state"), "cpu"),
         untrained=[e["batches"] for e in first if e["event"] == "untrained_pass"],
-        plans=_plans(events))
+        plans=_plans(events),
+        draws=sorted({g for r in events for e in r if e["event"] == "dataset_draws"
+                      for g in e["generators"]}),
+        streams=[next((e.get("streams", {}) for e in rank if e["event"] == "plan"), {})
+                 for rank in events])
 
 
 def _plans(events: List[List[Dict[str, Any]]]) -> Dict[int, Tuple[int, int]]:
-    """Each epoch's samples over all ranks, from each rank's first pass of that epoch: (count,
-    order-free checksum); an epoch some rank did not start is left out."""
-    per_rank = [{} for _ in events]  # type: List[Dict[int, Tuple[int, int]]]
+    """Each epoch's samples over all ranks, from each rank's first pass of that epoch, less
+    its padding: (count, order-free checksum); an epoch some rank did not start is left out."""
+    per_rank = [{} for _ in events]  # type: List[Dict[int, Dict[str, Any]]]
     for mine, rank in zip(per_rank, events):
         for e in rank:
             if e["event"] == "plan":
-                mine.setdefault(e["epoch"], (e["count"], e["hash"]))
+                mine.setdefault(e["epoch"], e)
     epochs = set.intersection(*(set(p) for p in per_rank)) if per_rank else set()
-    return {epoch: (sum(p[epoch][0] for p in per_rank),
-                    sum(p[epoch][1] for p in per_rank) % (1 << 64)) for epoch in sorted(epochs)}
+    out = {}
+    for epoch in sorted(epochs):
+        plans = [p[epoch] for p in per_rank]
+        count = sum(p["count"] for p in plans) - plans[0].get("padding", 0)
+        total = sum(p["hash"] for p in plans) - plans[0].get("padding_hash", 0)
+        out[epoch] = (count, total % (1 << 64))
+    return out
 
 
 def _read(path: str) -> List[Dict[str, Any]]:

@@ -1,0 +1,91 @@
+"""What ``rt.loader`` tells ``ddpkit verify``'s probe (``LoaderWatch``, a part of
+:class:`ddpkit.verify.probe.Probe`): how the training loader was built, the samples of each batch
+it hands out (counted for a step once a training forward takes them), the samples of each pass,
+and the generators a sample's ``__getitem__`` drew from.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import probe_watch as watch
+
+__all__ = ["LoaderWatch"]
+
+
+class LoaderWatch:
+    """The loader's side of the probe; the probe's constructor sets the state it keeps.
+
+    Example::
+
+        class Probe(LoaderWatch): ...   # probe.batch([0, 5, 9], last=False) from rt.loader
+    """
+
+    _watching_loader: bool
+    _pending: Optional[Tuple[List[int], bool]]
+    _untrained: int
+    _indices: List[int]
+    _batch_samples: Optional[int]
+    _counts: Dict[str, int]
+    _after_batch: Any
+    reverse: bool
+    step: int
+
+    def _write(self, record: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def claim_loader(self) -> bool:
+        """True for the script's first ``rt.loader`` (the training data): the one whose batches
+        are recorded, and split into micro-batches under ``--accum-steps``."""
+        first, self._watching_loader = not self._watching_loader, True
+        return first
+
+    def loader(self, config: Dict[str, Any]) -> None:
+        """``rt.loader`` says how it was built (seed, shuffle, drop_last, batch)."""
+        self._write({"event": "loader", **config})
+
+    def foreign_loader(self) -> None:
+        """A DataLoader that is not ``rt.loader``'s was iterated (a sampler of the script's own)."""
+        self._write({"event": "foreign_loader", "step": self.step})
+
+    def reorder(self, batch: Any) -> Any:
+        """The batch as this run feeds it: reversed when it checks the reduction order."""
+        return watch.reverse_batch(batch, self._batch_samples) if self.reverse else batch
+
+    def batch(self, indices: List[int], last: bool) -> None:
+        """``rt.loader`` handed out a batch of these samples (``last``: the epoch's last). It
+        counts for the step once a training forward takes it: a pass over the loader that
+        trains on nothing (counting labels, statistics, a warm-up) is said, not compared."""
+        if self._pending is not None:  # the batch before reached no training forward
+            self._untrained += 1
+            if self._pending[1]:
+                self._write({"event": "untrained_pass", "step": self.step,
+                             "batches": self._untrained})
+                self._untrained = 0
+        self._pending = ([int(i) for i in indices], last)
+        self._batch_samples = len(indices)
+        self._counts["batches"] += 1
+        self._after_batch = watch.rng()
+
+    def plan(self, epoch: int, indices: List[int], padding: List[int]) -> None:
+        """The samples ``rt.loader`` will hand this rank in the pass now starting, as a count
+        and an order-free checksum: summed over ranks, less the epoch's padding (repeats that
+        even out the ranks' shares, the same list on every rank), comparable with 1 process."""
+        self._write({"event": "plan", "epoch": epoch, "count": len(indices),
+                     "hash": watch.multiset_hash(indices), "padding": len(padding),
+                     "padding_hash": watch.multiset_hash(padding),
+                     # the script's own generators here (verify seeded the samples' draws)
+                     "streams": watch.stream_digests()})
+
+    def dataset_draws(self, generators: List[str]) -> None:
+        """A sample's ``__getitem__`` drew from these global generators (augmentation)."""
+        self._write({"event": "dataset_draws", "generators": generators})
+
+    def _trained_on_batch(self) -> None:
+        """A training forward took the batch handed out last: its samples join the step."""
+        if self._pending is None:
+            return
+        indices, last = self._pending
+        self._pending, self._untrained = None, 0
+        self._indices.extend(indices)
+        if last:
+            self._write({"event": "epoch_end", "step": self.step})
