@@ -441,7 +441,9 @@ def test_a_loss_that_differs_without_evidence_is_unexplained_not_a_guess():
     """Same samples, same model, nothing random: without per-rank target counts that differ
     there is no evidence of a mean of means, so none is named."""
     verdict = compare(_run([1.0]), _run([1.3], world=2))
-    assert verdict.cause == "unexplained" and "the same samples" in verdict.why
+    assert verdict.cause == "unexplained" and "first part at the loss (1 on 1 process, 1.3 " \
+        "on 2)" in verdict.why and "the samples, what the forward received" in verdict.why
+    assert "no cross_entropy/nll_loss call seen" in verdict.why   # built from this run
     assert any(line.startswith("loss 1 on 1 process, 1.3 on 2") for line in verdict.evidence)
     counted = _run([1.3], world=2)
     counted.steps[0].loss_counts = [[["mean", 187]], [["mean", 203]]]

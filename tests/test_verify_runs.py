@@ -179,3 +179,37 @@ def test_an_accuracy_from_rank_0s_share_alone_is_named_though_the_samples_add_up
     fixed = _verify("--steps", "4", script, "--fixed", cwd=ROOT)
     out, err = fixed.communicate(timeout=300)
     assert fixed.returncode == 0 and "PASS" in out, out + err
+
+
+def test_loss_weights_that_differ_between_ranks_and_weighted_means_are_named():
+    from ddpkit.verify.compare import compare
+    from test_verify import _run
+    one, many = _run([1.3526]), _run([1.35312], world=2)
+    one.steps[0].loss_counts = [[["mean", 16, 77, 16.5]]]
+    many.steps[0].loss_counts = [[["mean", 8, 11, 8.8]], [["mean", 8, 12, 7.7]]]
+    verdict = compare(one, many)   # class weights from each rank's own label counts
+    assert verdict.cause == "ranks-differ" and "weight=" in verdict.why
+    many.steps[0].loss_counts = [[["mean", 8, 11, 8.8]], [["mean", 8, 11, 7.7]]]
+    verdict = compare(one, many)   # the same weights: a weighted mean per rank
+    assert verdict.cause == "mean-of-means" and "weights sum to 8.8, 7.7" in verdict.why
+
+
+def test_a_learning_rate_that_differs_says_why_only_on_its_evidence():
+    from ddpkit.verify.compare import compare
+    from test_verify import _run
+
+    def runs(lr_one, lr_many):
+        one, many = _run([1.0] * len(lr_one)), _run([1.0] * len(lr_one), world=2)
+        for step, lr in zip(one.steps, lr_one):
+            step.lr = lr
+        for step, lr in zip(many.steps, lr_many):
+            step.lr = lr
+        return compare(one, many)
+
+    scaled = runs([0.1, 0.1], [0.2, 0.2])
+    assert scaled.cause == "learning-rate" and "2x the 1-process rate" in scaled.why
+    paced = runs([0.09, 0.08, 0.07, 0.06], [0.095, 0.09, 0.085, 0.08])   # stepped per batch
+    assert "runs 2x as fast on 1 process" in paced.why and "scaled" not in paced.why
+    other = runs([0.1, 0.1], [0.13, 0.13])
+    assert "the first stage that differs: the learning rate" in other.why
+    assert "scaled" not in other.why and "fast" not in other.why

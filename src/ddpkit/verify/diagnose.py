@@ -38,10 +38,46 @@ def diagnose(one: RunRecord, many: RunRecord, index: Optional[int],
         found = within(one, many, a, b, tolerance)
         if found is not None:
             return found
-    return ("unexplained", f"step {a.step}: the parameters after the step differ while the "
-                           "samples, the loss, the gradient norm and the learning rate agree: "
-                           "look at what changes parameters outside the optimizer's step (an "
-                           "EMA, a manual update, weight decay applied by hand)")
+    return _unexplained(a, b, many, "the parameters after the step", _first_param(a, b),
+                        "the samples, the loss, the gradient norm and the learning rate",
+                        "what changes parameters besides the optimizer's step from these "
+                        "gradients (an update by hand, a copy from another model, weight decay "
+                        "applied by hand, an optimizer of the script's own)")
+
+
+#: The stages a step goes through, in order: where 1 and N part first is the verdict's stage.
+STAGES = ("the samples", "what the forward received", "the loss", "the gradients",
+          "the learning rate", "the parameters after the step")
+
+
+def _unexplained(a: Step, b: Step, many: RunRecord, stage: str, differs: str, agree: str,
+                 where: str) -> Diagnosis:
+    """``unexplained``, with the stage where 1 and N part, the quantity, what agrees before
+    it and what the step's own records say (its loss calls, its own collectives)."""
+    said = [f"step {a.step}: 1 and {many.world_size} processes first part at {stage} "
+            f"({differs}); {agree} agree"]
+    calls = _loss_calls(a, b, many.world_size)
+    if calls:
+        said.append(calls)
+    return ("unexplained", "; ".join(said) + f": look at {where}")
+
+
+def _loss_calls(a: Step, b: Step, n: int) -> str:
+    """The step's cross_entropy/nll_loss calls on each side, as the probe counted them."""
+    def side(calls: list) -> str:
+        return ", ".join(f"{c[0]} over {c[1]} targets" for c in calls) or "none seen"
+    if not any(a.loss_counts) and not any(b.loss_counts):
+        return "no cross_entropy/nll_loss call seen: the loss is the script's own"
+    ranks = "; ".join(f"rank {r}: {side(c)}" for r, c in enumerate(b.loss_counts))
+    return (f"its loss calls: {side(a.loss_counts[0] if a.loss_counts else [])} on 1 process, "
+            f"{ranks} on {n}")
+
+
+def _first_param(a: Step, b: Step) -> str:
+    for i, (x, y) in enumerate(zip(a.param_sums, b.param_sums)):
+        if relative(x, y) > 1e-6:
+            return f"the optimizer's parameter {i} sums to {x:.8g} and {y:.8g}"
+    return f"their norm is {a.param_norm:.8g} and {b.param_norm:.8g}"
 
 
 def _nondeterministic(one: RunRecord, again: RunRecord) -> Diagnosis:
@@ -212,18 +248,33 @@ def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step,
         if relative(b.loss / a.loss if a.loss else 0.0, n) < 1e-3:
             return ("loss-scale", f"the loss on {many.world_size} processes is {n:g}x the "
                                   "1-process loss: it is scaled by the number of processes")
+    weights = [[c[2] for c in rank if len(c) > 2 and c[2] is not None] for rank in b.loss_counts]
+    if weights and weights[0] and any(w != weights[0] for w in weights[1:]):
+        return ("ranks-differ", f"step {a.step}: the loss's weight= (cross_entropy/nll_loss) "
+                                "differs between ranks: each rank weighs its targets with "
+                                "other weights, so the ranks do not compute one loss; compute "
+                                "the weights the same on every rank (from counts reduced over "
+                                "ranks, or from the whole dataset)")
     counts = [sum(c[1] for c in rank if c[0] == "mean") for rank in b.loss_counts]
-    if len(set(counts)) > 1:
+    divisors = [sum((c[3] if len(c) > 3 else c[1]) for c in rank if c[0] == "mean")
+                for rank in b.loss_counts]
+    if len(set(divisors)) > 1:
+        over = f"{', '.join(map(str, counts))} targets" if len(set(counts)) > 1 else \
+            f"targets whose weights sum to {', '.join(f'{d:.6g}' for d in divisors)}"
         return ("mean-of-means", f"step {a.step}: the same samples give loss {a.loss:.6g} on 1 "
                                  f"process and {b.loss:.6g} on {many.world_size}, and each "
-                                 f"rank's loss is a mean over {', '.join(map(str, counts))} "
-                                 "targets (ignore_index/padding per rank differs): a mean of "
-                                 "per-rank means; reduce (sum, count) over ranks instead")
-    return ("unexplained", f"step {a.step}: the same samples and the same model on every rank "
-                           f"give loss {a.loss:.6g} on 1 process and {b.loss:.6g} on "
-                           f"{many.world_size}, with nothing random drawn: look at how the loss "
-                           "is computed from a rank's batch (a term that depends on the batch "
-                           "size or on the rank, a mean over per-rank counts)")
+                                 f"rank's loss is a mean over {over} (ignore_index, padding or "
+                                 "class weights per rank differ): a mean of per-rank means; "
+                                 "reduce (sum, divisor) over ranks instead")
+    ranks = ", ".join(f"{x:.6g}" for x in b.rank_losses) if len(b.rank_losses) > 1 else ""
+    return _unexplained(a, b, many, "the loss",
+                        f"{a.loss:.6g} on 1 process, {b.loss:.6g} on {many.world_size}"
+                        + (f" as the mean of the ranks' {ranks}" if ranks else ""),
+                        "the samples, what the forward received and the model at the first "
+                        "forward, with no random draw between a batch and its forward",
+                        "how the loss is computed from a rank's batch: a term that is not a "
+                        "mean over samples (a sum, a normaliser or regulariser per batch, "
+                        "in-batch negatives) gives a rank's half batch another value")
 
 
 def _loop_randomness(a: Step) -> Diagnosis:
@@ -258,16 +309,49 @@ def _gradients(one: RunRecord, many: RunRecord, a: Step, b: Step,
                                      "no gradient on some ranks: their forward skips them "
                                      "there; make every rank use every parameter, or wrap "
                                      "with find_unused_parameters=True")
-    return ("unexplained", f"step {a.step}: the same samples and loss give gradient norm "
-                           f"{a.grad_norm:.6g} on 1 process and {b.grad_norm:.6g} on "
-                           f"{many.world_size}: look at what touches the gradients between "
-                           "backward and the step (a hook, clipping, scaling by the rank or the "
-                           "world size)")
+    own = [c for rank in many.collectives for c in rank if c.get("step") == a.step - 1]
+    return _unexplained(a, b, many, "the gradients",
+                        f"norm {a.grad_norm:.6g} on 1 process, {b.grad_norm:.6g} on "
+                        f"{many.world_size}", "the samples and the loss",
+                        "what touches the gradients between backward and the step: "
+                        + (f"the script's own {own[0]['fn']} at {own[0]['site']}, " if own else
+                           "no collective of the script's own was seen; ")
+                        + "a gradient hook, clipping or scaling")
 
 
 def _update(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Diagnosis]:
-    if a.lr is not None and b.lr is not None and relative(a.lr, b.lr) > 1e-9:
-        return ("learning-rate", f"step {a.step}: the learning rate is {a.lr:g} on 1 process "
-                                 f"and {b.lr:g} on {many.world_size}: scaled by the number of "
-                                 "processes? The global batch is the same, so keep the rate")
+    if a.lr is None or b.lr is None or relative(a.lr, b.lr) <= 1e-9:
+        return None
+    n = many.world_size
+    said = f"step {a.step}: the learning rate is {a.lr:g} on 1 process and {b.lr:g} on {n}"
+    for factor, name in ((n, f"{n}x"), (n ** 0.5, f"sqrt({n})x")):
+        if a.lr and relative(b.lr / a.lr, factor) < 1e-6:
+            return ("learning-rate", f"{said}, {name} the 1-process rate: it is scaled by the "
+                                     "number of processes; the global batch is the same, so "
+                                     "keep the rate")
+    pace = _schedule_pace(one, many)
+    if pace is not None:
+        faster, times = pace
+        return ("learning-rate", f"{said}: the schedule runs {times}x as fast on {faster} "
+                                 "(its learning rate after k optimizer steps is the other's "
+                                 f"after {times}k): the scheduler is stepped per batch or "
+                                 "micro-batch, whose number per optimizer step depends on the "
+                                 "processes; step it once per optimizer step")
+    return ("learning-rate", f"{said} (the first stage that differs: the learning rate the "
+                             "optimizer applied; the samples agree): look at what sets it "
+                             "between steps (a scheduler, a warm-up, lr set by hand)")
+
+
+def _schedule_pace(one: RunRecord, many: RunRecord) -> Optional[Tuple[str, int]]:
+    """(which run's schedule is ahead, how many times) when one run's learning rates are the
+    other's at every c-th step, for a c from 2 to 8; else None."""
+    runs = {"1 process": [s.lr for s in one.steps], f"{many.world_size} processes":
+            [s.lr for s in many.steps]}
+    for (fast, lr_fast), (_, lr_slow) in (tuple(runs.items()), tuple(runs.items())[::-1]):
+        for times in range(2, 9):
+            pairs = [(lr_fast[k - 1], lr_slow[times * k - 1]) for k in range(1, len(lr_slow) + 1)
+                     if times * k <= len(lr_slow)]
+            if pairs and all(x is not None and y is not None and relative(x, y) < 1e-9
+                             for x, y in pairs):
+                return fast, times
     return None

@@ -108,7 +108,7 @@ class Probe(LoaderWatch):
         self._models: List[nn.Module] = []
         self._trained: set = set()        # ids of the models a training forward ran through
         self._rows: List[int] = []        # checksums of the samples this step's forwards got
-        self._loss_counts: List[List[Any]] = []  # (reduction, targets) of each loss call
+        self._loss_counts: List[List[Any]] = []  # each loss call: reduction, targets, weight=
         self._eval: Optional[List[int]] = None  # an evaluation in progress: its samples
         self._evals = 0                   # evaluations ended
         self._evals_at_step = 0           # ... by the last optimizer step
@@ -163,7 +163,7 @@ class Probe(LoaderWatch):
             self._hold = HoldBack(self.accum)
             self._hold.install()
         pairs = watch.watch_collectives(self._collective, self._gradients) + \
-            watch.watch_losses(lambda reduction, n: self._loss_counts.append([reduction, n]))
+            watch.watch_losses(lambda *call: self._loss_counts.append(list(call)))
         # `from torch.nn.utils import clip_grad_norm_`, `from torch.distributed import
         # all_reduce` in scripts: their names too, in one pass over the loaded modules
         _rebind(dict([(clip, recorded_clip), *pairs]))

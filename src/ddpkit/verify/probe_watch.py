@@ -189,14 +189,16 @@ def _watched(name: str, original: Callable, record: Callable[[Dict[str, Any]], N
     return collective
 
 
-def watch_losses(record: Callable[[str, int], None]) -> List[Tuple[Any, Any]]:
-    """Wrap ``cross_entropy`` and ``nll_loss`` to record over how many targets each call
-    averaged (the ``ignore_index`` ones left out): per-rank means over unequal counts are a
-    mean of means.
+def watch_losses(record: Callable[..., None]) -> List[Tuple[Any, Any]]:
+    """Wrap ``cross_entropy`` and ``nll_loss`` to record, for each call, its reduction, over how
+    many targets it averaged (the ``ignore_index`` ones left out), a CRC-32 of its ``weight=``
+    (or None) and what a mean divides by (the targets' weights summed, with ``weight=``):
+    per-rank means over unequal divisors are a mean of means; weights that differ between ranks
+    are a quantity the replicas do not share.
 
     Example::
 
-        pairs = watch_losses(lambda reduction, targets: print(reduction, targets))
+        pairs = watch_losses(lambda reduction, targets, weight, divisor: print(reduction, targets))
     """
     functional, pairs = torch.nn.functional, []
     for name in ("cross_entropy", "nll_loss"):
@@ -206,8 +208,13 @@ def watch_losses(record: Callable[[str, int], None]) -> List[Tuple[Any, Any]]:
                     **kwargs: Any) -> Any:
             if torch.is_tensor(target) and not target.is_floating_point():
                 ignore = kwargs.get("ignore_index", args[2] if len(args) > 2 else -100)
-                record(kwargs.get("reduction", args[4] if len(args) > 4 else "mean"),
-                       int((target != ignore).sum()))
+                weight = kwargs.get("weight", args[0] if args else None)
+                kept = target[target != ignore]
+                divisor = float(len(kept)) if not torch.is_tensor(weight) else \
+                    float(weight.detach().float().cpu()[kept.cpu()].sum())
+                record(kwargs.get("reduction", args[4] if len(args) > 4 else "mean"), len(kept),
+                       zlib.crc32(_bytes_of(weight)) if torch.is_tensor(weight) else None,
+                       divisor)
             return _original(input, target, *args, **kwargs)
 
         setattr(functional, name, counted)

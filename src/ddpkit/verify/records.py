@@ -36,6 +36,7 @@ class Step:
     rows: List[List[int]] = field(default_factory=list)  # per rank: what its forwards got
     loss_counts: List[List[Any]] = field(default_factory=list)  # per rank: (reduction, targets)
     replicas: List[Dict[str, Any]] = field(default_factory=list)  # per rank: after the step
+    rank_losses: List[float] = field(default_factory=list)  # what each rank backpropagated
 
     def received(self) -> List[int]:
         """Every rank's forward inputs together, one checksum per sample, sorted."""
@@ -169,7 +170,8 @@ def _merge(records: List[Dict[str, Any]], ends: List[set]) -> Step:
         epoch_end=any(n - 1 in e for e in ends),
         rows=[r.get("rows", []) for r in records],
         loss_counts=[r.get("loss_counts", []) for r in records],
-        replicas=[r.get("replica", {}) for r in records])
+        replicas=[r.get("replica", {}) for r in records],
+        rank_losses=[sum(r["losses"]) for r in records])
 
 
 def relative(a: float, b: float) -> float:
