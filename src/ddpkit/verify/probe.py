@@ -112,6 +112,7 @@ class Probe(LoaderWatch):
         self._eval: Optional[List[int]] = None  # an evaluation in progress: its samples
         self._evals = 0                   # evaluations ended
         self._evals_at_step = 0           # ... by the last optimizer step
+        self._unseen_draws = False        # random draws since it that a restore hid, or in workers
         self._rng_at_step = watch.rng()   # the generators as the last step ended
         self._counts = {"batches": 0, "forwards": 0, "rows": 0}
         self._stepped_since_forward = True  # the next training forward starts a step
@@ -156,6 +157,8 @@ class Probe(LoaderWatch):
         def watched_iter(loader: Any) -> Any:
             if not getattr(loader, "_ddpkit_owned", False):
                 self.foreign_loader()
+            if getattr(loader, "num_workers", 0) > 0:  # draws there are out of sight
+                self._unseen_draws = True
             return iterate(loader)
 
         torch.utils.data.DataLoader.__iter__ = watched_iter  # type: ignore[method-assign]
@@ -176,7 +179,8 @@ class Probe(LoaderWatch):
         whether random numbers were drawn since that step (then no exact number to compare)."""
         self._write({"event": "print", "text": line, "step": self.step,
                      "eval": self._eval is not None or self._evals > self._evals_at_step,
-                     "random": not watch.same(self._rng_at_step, watch.rng())})
+                     "random": self._unseen_draws or
+                     not watch.same(self._rng_at_step, watch.rng())})
 
     def _watch_loss_scale(self) -> None:
         """GradScaler.scale(loss): remember the factor, so the loss recorded is the loss."""
@@ -238,6 +242,8 @@ class Probe(LoaderWatch):
             if id(module) in self._trained:
                 self._eval = (self._eval or []) + rows
             self._forward_rng[id(module)] = None  # draws in an evaluation are not training's
+            if not watch.same(self._rng_at_step, watch.rng()):  # its data drew (augmentation)
+                self._unseen_draws = True
             return
         self._end_evaluation()
         self._trained_on_batch()
@@ -302,6 +308,7 @@ class Probe(LoaderWatch):
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step += 1
         self._evals_at_step, self._rng_at_step = self._evals, watch.rng()
+        self._unseen_draws = False
         self._stepped_since_forward = True
         if self.step <= self.steps:
             params = [p.detach() for group in optimizer.param_groups for p in group["params"]]
