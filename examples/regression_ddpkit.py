@@ -55,7 +55,7 @@ def main():
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        rt.print0(f"epoch {epoch}: last loss {loss.item():.4f}")
+        rt.print0(f"epoch {epoch}: last loss {rt.mean(loss):.4f}")   # the mean over ranks
 
     result = rt.evaluate(model, val_set)                             # 5: exact, all ranks
     rt.print0(f"validation mse {result['mse']:.6f} mae {result['mae']:.6f} "

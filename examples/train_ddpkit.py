@@ -44,7 +44,7 @@ def main():
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        rt.print0(f"epoch {epoch}: last loss {loss.item():.4f}")
+        rt.print0(f"epoch {epoch}: last loss {rt.mean(loss):.4f}")   # the mean over ranks
 
     result = rt.evaluate(model, test_set)                            # 5: exact, all ranks
     rt.print0(f"test accuracy {result['top1']:.2f}% on {result['count']} samples")

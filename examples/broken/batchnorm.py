@@ -1,9 +1,9 @@
 """A planted bug for `ddpkit verify`: BatchNorm without SyncBatchNorm: each rank normalises with
 its own half of the batch.
 
-    ddpkit verify --nproc 2 examples/broken/batchnorm.py                    # FAIL [batchnorm]
-    ddpkit verify --nproc 2 --accum-steps 2 examples/broken/batchnorm.py    # PASS: the same
-                                              # micro-batches, 1 process accumulating 2
+    ddpkit verify --nproc 2 --accum-steps 1 examples/broken/batchnorm.py    # FAIL [batchnorm]
+    ddpkit verify --nproc 2 examples/broken/batchnorm.py    # PASS: by default a BatchNorm model
+                                              # is compared with the same micro-batches
 """
 import torch
 from torch import nn

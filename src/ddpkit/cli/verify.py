@@ -23,10 +23,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "ddpkit.setup(), and compares them step by step.")
     p.add_argument("--nproc", type=int, default=2, help="processes to compare with 1 (default 2)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps to compare (default 10)")
-    p.add_argument("--accum-steps", type=int, default=1, metavar="K",
+    p.add_argument("--accum-steps", type=int, default=None, metavar="K",
                    help="on 1 process, accumulate K micro-batches per step, the batches of K "
-                        "ranks (K = N: the same micro-batch as on N; for BatchNorm models and "
-                        "scripts that step on every batch)")
+                        "ranks (K = N: the same micro-batch as on N; for scripts that step on "
+                        "every batch). Default: N for a model with BatchNorm layers that are "
+                        "not synced, when its batch splits so, else 1")
     p.add_argument("--eval-within", type=int, default=200, metavar="E",
                    help="after the compared steps, train on for up to E more to reach the "
                         "script's first evaluation and compare what it evaluated and printed "
@@ -58,10 +59,11 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
                      accum=ns.accum_steps, eval_within=ns.eval_within)
     if verdict.steps:  # none when a run failed or hung before any step compared
         print(table(verdict, ns.nproc))
-    print(summary(verdict, ns.nproc, ns.script, ns.accum_steps), flush=True)
+    print(summary(verdict, ns.nproc, ns.script, ns.accum_steps or 1), flush=True)
     if ns.json:
         with open(ns.json, "w") as f:
-            f.write(as_json(verdict, ns.nproc, ns.script, ns.script_args, ns.accum_steps) + "\n")
+            f.write(as_json(verdict, ns.nproc, ns.script, ns.script_args, ns.accum_steps or 1)
+                    + "\n")
     return 0 if verdict.passed else 1
 
 

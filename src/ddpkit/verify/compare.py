@@ -64,6 +64,7 @@ class Verdict:
     ceiling: float = CEILING
     nondeterministic: bool = False       # one process run twice already differed
     band: float = FLOOR                  # the tolerance at the first divergent step
+    accum: int = 1                       # micro-batches a step of the 1-process runs took
 
 
 def _params(a: Step, b: Step) -> float:

@@ -111,7 +111,7 @@ def printed_differs(one: RunRecord, many: RunRecord, again: Optional[RunRecord],
 
         printed_differs(one, many, again)   # ('printed-metric', "rank 0 prints 'acc 0.81' ...", ...)
     """
-    found = _first_difference(one.eval_prints, many.eval_prints, again, band)
+    found = _first_difference("eval_prints", one, many, again, band)
     if found is None:
         return None
     line_one, line_many, a, b = found
@@ -135,7 +135,7 @@ def printed_notes(one: RunRecord, many: RunRecord, again: Optional[RunRecord],
 
         printed_notes(one, many, again)   # ["rank 0 prints 'loss 0.1090' where ..."]
     """
-    found = _first_difference(one.late_prints, many.late_prints, again, band)
+    found = _first_difference("late_prints", one, many, again, band)
     if found is None:
         return []
     line_one, line_many, a, b = found
@@ -144,16 +144,18 @@ def printed_notes(one: RunRecord, many: RunRecord, again: Optional[RunRecord],
             "batch's"]
 
 
-def _first_difference(one: List[List[str]], many: List[List[str]], again: Optional[RunRecord],
+def _first_difference(kind: str, one: RunRecord, many: RunRecord, again: Optional[RunRecord],
                       band: float) -> Optional[Tuple[str, str, float, float]]:
-    """The first pair of lines (1 process, rank 0 of N) of the same print whose numbers
-    differ, among numbers that 1 process printed alike twice."""
-    if again is None or not one or not many or not again.late_prints:
+    """The first pair of lines (1 process, rank 0 of N) of the same print (among ``kind``:
+    ``late_prints`` or ``eval_prints``) whose numbers differ, among numbers that 1 process
+    printed alike twice, where both runs' models still agreed."""
+    lines_one, lines_many = getattr(one, kind), getattr(many, kind)
+    if again is None or not lines_one or not lines_many or not again.late_prints:
         return None
-    repeat = dict(_pairs(one[0], again.late_prints[0]))
-    for line_one, line_many in _pairs(one[0], many[0]):
+    repeat = dict(_pairs(one.late_prints[0], again.late_prints[0]))
+    for line_one, line_many in _pairs(lines_one[0], lines_many[0]):
         line_again = repeat.get(line_one)
-        if line_again is None:
+        if line_again is None or _models_parted(one, many, line_one, line_many):
             continue
         texts = [m.group(0) for m in _NUMBER.finditer(line_one)]
         for text, (a, da), (r, dr), (b, db) in zip(texts, numbers(line_one),
@@ -163,3 +165,16 @@ def _first_difference(one: List[List[str]], many: List[List[str]], again: Option
             if abs(b - a) > da + db + max(band, 1e-5) * max(abs(a), abs(b)):
                 return line_one.strip(), line_many.strip(), a, b
     return None
+
+
+def _models_parted(one: RunRecord, many: RunRecord, line_one: str, line_many: str) -> bool:
+    """Whether the two runs' models had parted where these lines were printed (after the steps
+    compared: an epoch's padded last batch, float noise grown over many steps), or cannot be
+    told (sharded): what such lines print may differ for that alone."""
+    if line_one not in one.print_models or line_many not in many.print_models:
+        return False  # not recorded (records made by hand)
+    a, b = one.print_models[line_one], many.print_models[line_many]
+    if a is None or b is None or len(a) != len(b):
+        return True
+    scale = max(max((abs(x) for x in a), default=0.0), 1e-30)
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0) > 1e-5 * scale

@@ -180,7 +180,8 @@ class Probe(LoaderWatch):
         self._write({"event": "print", "text": line, "step": self.step,
                      "eval": self._eval is not None or self._evals > self._evals_at_step,
                      "random": self._unseen_draws or
-                     not watch.same(self._rng_at_step, watch.rng())})
+                     not watch.same(self._rng_at_step, watch.rng()),
+                     "model": watch.param_sums(self._models)})
 
     def _watch_loss_scale(self) -> None:
         """GradScaler.scale(loss): remember the factor, so the loss recorded is the loss."""
@@ -220,12 +221,25 @@ class Probe(LoaderWatch):
                      "batchnorms": len(norms)})
 
     def own_directory(self, path: Any) -> str:
-        """``path`` (a checkpoint directory the script names) moved into this run's own
-        directory (``ddpkit.observe.own_directory``): every rank of the run maps it alike."""
-        name = os.path.abspath(os.fspath(path)).strip(os.sep).replace(os.sep, "_") or "root"
-        moved = os.path.join(self.directory, "checkpoints", name)
-        self._write({"event": "own_directory", "path": os.fspath(path)})
-        return moved
+        """``path`` (a checkpoint directory the script names) as this run's own
+        (``ddpkit.observe.own_directory``): a relative one already lies in the run's working
+        directory (where the script also writes beside it, a ``model_best.pt``), except where
+        it goes through the link to a directory of the user's, which an empty one replaces; an
+        absolute one (or one above) moves into the run's directory. Every rank maps it alike."""
+        text = os.fspath(path)
+        parts = os.path.normpath(text).split(os.sep)
+        cwd = os.path.join(self.directory, "cwd")
+        here = os.path.realpath(os.getcwd()) == os.path.realpath(cwd)
+        if not os.path.isabs(text) and parts[0] != ".." and here:
+            link = os.path.join(cwd, parts[0])
+            if parts[0] not in ("", ".") and os.path.islink(link):
+                with contextlib.suppress(FileNotFoundError):  # another rank was first
+                    os.unlink(link)
+                os.makedirs(link, exist_ok=True)
+            return text
+        name = os.path.abspath(text).strip(os.sep).replace(os.sep, "_") or "root"
+        self._write({"event": "own_directory", "path": text})
+        return os.path.join(self.directory, "checkpoints", name)
 
     def _sdpa_off(self) -> None:
         if not getattr(self, "_said_sdpa", False):

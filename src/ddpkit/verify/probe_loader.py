@@ -5,11 +5,51 @@ and the generators a sample's ``__getitem__`` drew from.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import random
+import sys
+import zlib
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
 
 from . import probe_watch as watch
 
-__all__ = ["LoaderWatch"]
+__all__ = ["LoaderWatch", "multiset_hash", "stream_digests"]
+
+_MASK = (1 << 64) - 1
+
+
+def multiset_hash(indices: Iterable[int]) -> int:
+    """An order-free checksum of a multiset of sample indices: the sum (mod 2**64) of each
+    index's splitmix64, so the ranks' checksums add up to the whole run's.
+
+    Example::
+
+        multiset_hash([3, 1]) == multiset_hash([1, 3])   # True
+    """
+    total = 0
+    for i in indices:
+        x = (int(i) + 0x9E3779B97F4A7C15) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        total = (total + (x ^ (x >> 31))) & _MASK
+    return total
+
+
+def stream_digests() -> Dict[str, int]:
+    """A CRC-32 of the state of torch's CPU generator, Python's ``random`` and NumPy's global
+    generator, by name: equal on two ranks, they draw the same numbers next.
+
+    Example::
+
+        stream_digests()   # {'torch': 2216..., 'random': 91..., 'numpy': 3020...}
+    """
+    out = {"torch": zlib.crc32(torch.random.get_rng_state().numpy().tobytes()),
+           "random": zlib.crc32(repr(random.getstate()).encode())}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        out["numpy"] = zlib.crc32(numpy.random.get_state()[1].tobytes())
+    return out
 
 
 class LoaderWatch:
@@ -71,10 +111,10 @@ class LoaderWatch:
         and an order-free checksum: summed over ranks, less the epoch's padding (repeats that
         even out the ranks' shares, the same list on every rank), comparable with 1 process."""
         self._write({"event": "plan", "epoch": epoch, "count": len(indices),
-                     "hash": watch.multiset_hash(indices), "padding": len(padding),
-                     "padding_hash": watch.multiset_hash(padding),
+                     "hash": multiset_hash(indices), "padding": len(padding),
+                     "padding_hash": multiset_hash(padding),
                      # the script's own generators here (verify seeded the samples' draws)
-                     "streams": watch.stream_digests()})
+                     "streams": stream_digests()})
 
     def dataset_draws(self, generators: List[str]) -> None:
         """A sample's ``__getitem__`` drew from these global generators (augmentation)."""

@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["multiset_hash", "stream_digests", "reverse_batch", "ProbeHook", "rebind", "first_tensor", "row_digests", "state_digests", "replica_digests", "call_site", "watch_collectives",
+__all__ = ["param_sums", "reverse_batch", "ProbeHook", "rebind", "first_tensor", "row_digests",
+           "state_digests", "replica_digests", "call_site", "watch_collectives",
            "watch_losses", "quiet_attention", "PrintTee", "COLLECTIVES", "number", "rng", "same",
            "autocast_dtype", "norm"]
 
@@ -280,40 +281,18 @@ def number(value: Any) -> Optional[float]:
         return None
 
 
-_MASK = (1 << 64) - 1
-
-
-def multiset_hash(indices: Iterable[int]) -> int:
-    """An order-free checksum of a multiset of sample indices: the sum (mod 2**64) of each
-    index's splitmix64, so the ranks' checksums add up to the whole run's.
+def param_sums(modules: List[nn.Module]) -> Optional[List[float]]:
+    """Each parameter's sum (float64), as the models stand: whether two runs' models still
+    agree where a line was printed. None for sharded (FSDP) parameters: a rank holds a part.
 
     Example::
 
-        multiset_hash([3, 1]) == multiset_hash([1, 3])   # True
+        param_sums([model])   # [0.3152..., -1.27...]
     """
-    total = 0
-    for i in indices:
-        x = (int(i) + 0x9E3779B97F4A7C15) & _MASK
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-        total = (total + (x ^ (x >> 31))) & _MASK
-    return total
-
-
-def stream_digests() -> Dict[str, int]:
-    """A CRC-32 of the state of torch's CPU generator, Python's ``random`` and NumPy's global
-    generator, by name: equal on two ranks, they draw the same numbers next.
-
-    Example::
-
-        stream_digests()   # {'torch': 2216..., 'random': 91..., 'numpy': 3020...}
-    """
-    out = {"torch": zlib.crc32(torch.random.get_rng_state().numpy().tobytes()),
-           "random": zlib.crc32(repr(random.getstate()).encode())}
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        out["numpy"] = zlib.crc32(numpy.random.get_state()[1].tobytes())
-    return out
+    params = [p for m in modules for p in m.parameters()]
+    if any(hasattr(p, "to_local") for p in params):
+        return None
+    return [float(p.detach().sum(dtype=torch.float64)) for p in params]
 
 
 def rng() -> List[Any]:

@@ -66,6 +66,7 @@ class RunRecord:
     prints: List[List[str]] = field(default_factory=list)  # per rank: the lines it printed
     late_prints: List[List[str]] = field(default_factory=list)  # after a step, nothing random
     eval_prints: List[List[str]] = field(default_factory=list)  # of those, after an evaluation
+    print_models: Dict[str, Optional[List[float]]] = field(default_factory=dict)  # line: sums
     exits: List[Dict[str, Any]] = field(default_factory=list)  # per rank: batches, forwards
     sdpa_dropout_off: bool = False    # scaled_dot_product_attention's dropout_p was set to 0
     device: str = "cpu"               # where rank 0's model computed
@@ -114,6 +115,8 @@ def load(directory: str) -> RunRecord:
                       and not e.get("random")] for rank in events],
         eval_prints=[[e["text"] for e in rank if e["event"] == "print" and e.get("step", 0) > 0
                       and not e.get("random") and e.get("eval")] for rank in events],
+        print_models={e["text"]: e.get("model") for e in reversed(first)
+                      if e["event"] == "print"},
         exits=[next((e for e in rank if e["event"] == "exit"), {}) for rank in events],
         sdpa_dropout_off=any(e["event"] == "sdpa_dropout_off" for r in events for e in r),
         device=next((e.get("device", "cpu") for e in first if e["event"] == "state"), "cpu"),

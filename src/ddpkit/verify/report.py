@@ -42,7 +42,8 @@ def summary(verdict: Verdict, nproc: int, script: str, accum: int = 1) -> str:
     steps = len(verdict.steps)
     said = [f"  evidence: {line}" for line in verdict.evidence] + \
         [f"  compared: {line}" for line in verdict.notes]
-    return "\n".join([*said, _verdict_line(verdict, nproc, script, accum, steps)])
+    return "\n".join([*said, _verdict_line(verdict, nproc, script, max(accum, verdict.accum),
+                                           steps)])
 
 
 def _verdict_line(verdict: Verdict, nproc: int, script: str, accum: int, steps: int) -> str:
@@ -71,7 +72,7 @@ def as_json(verdict: Verdict, nproc: int, script: str, args: List[str], accum: i
         open("verify.json", "w").write(as_json(verdict, 2, "train.py", []))
     """
     data: Dict[str, Any] = {"script": script, "args": list(args), "nproc": nproc,
-                            "accum_steps": accum,
+                            "accum_steps": max(accum, verdict.accum),
                             "tolerance": {"margin": MARGIN, "floor": verdict.floor,
                                           "ceiling": verdict.ceiling},
                             **dataclasses.asdict(verdict)}

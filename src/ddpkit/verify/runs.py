@@ -257,12 +257,15 @@ def _epoch_limit(steps: int, loader: dict, nproc: int, accum: int) -> Tuple[int,
 
 def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 10,
            workdir: Optional[str] = None, timeout: Optional[float] = 900,
-           accum: int = 1, eval_within: int = 200) -> Verdict:
+           accum: Optional[int] = None, eval_within: int = 200) -> Verdict:
     """Run ``script`` on 1 and on ``nproc`` processes and compare them step by step; with
     ``accum`` K > 1 the 1-process runs accumulate K micro-batches per step, the batches of K
     ranks (with K = ``nproc``, each micro-batch is one rank's: BatchNorm sees the same batches).
     The 1- and N-process runs train on for up to ``eval_within`` more steps to reach the
-    script's first evaluation, whose samples and printed metrics are compared too.
+    script's first evaluation, whose samples and printed metrics are compared too. With
+    ``accum`` None (the default), a model with BatchNorm layers that are not synced is
+    compared with K = ``nproc`` (each rank normalises its own batch, by design), when its batch
+    splits so; ``accum=1`` compares it as it is.
 
     Example::
 
@@ -273,6 +276,7 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
         raise ConfigError(f"--nproc must be >= 2 to compare with one process, got {nproc}")
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
+    auto, accum = accum is None, accum or 1
     if accum < 1:
         raise ConfigError(f"--accum-steps must be >= 1, got {accum}")
     if eval_within < 0:
@@ -282,10 +286,19 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
             _stopped_by_sigterm():
         def run(name: str, n: Optional[int], reverse: bool) -> RunRecord:
             return run_script(script, args, n or nproc, steps, os.path.join(tmp, name), reverse,
-                              timeout, whole_epoch=name == "one", accum=accum, nproc_many=nproc,
+                              timeout, whole_epoch=name.startswith("one"), accum=accum,
+                              nproc_many=nproc,
                               eval_within=eval_within if name != "reordered" else 0)
         try:
             records["one"] = run(*PLAN[0])
+            if auto and _batchnorms(records["one"]):  # compare the micro-batches the ranks take
+                try:
+                    accum, first = nproc, records["one"]
+                    records["one"] = run("one-accumulating", 1, False)
+                except RunFailed:
+                    raise
+                except ConfigError:  # the batch does not split, an optimizer made too early
+                    accum, records["one"] = 1, first
             _check_divides(records["one"], nproc)
             rest = side_by_side([lambda plan=plan: run(*plan) for plan in PLAN[1:]])
             for (name, _, _), (record, error) in zip(PLAN[1:], rest):
@@ -299,8 +312,19 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
             if "one" not in records or "many" in records:  # 1 process fails too: no comparison
                 raise
             return _fails_on_n(records["one"], nproc, exc)
-    return compare(records["one"], records["many"], records["reordered"], records["again"],
-                   steps, eval_within)
+    verdict = compare(records["one"], records["many"], records["reordered"], records["again"],
+                      steps, eval_within)
+    verdict.accum = accum
+    if auto and accum > 1:
+        verdict.notes.append(f"BatchNorm: {_batchnorms(records['one'])} layer(s) normalise each "
+                             f"rank's batch, so 1 process accumulated {accum} micro-batches, the "
+                             f"{accum} ranks' batches, a step (--accum-steps 1 compares without)")
+    return verdict
+
+
+def _batchnorms(record: RunRecord) -> int:
+    """BatchNorm layers (not synced) in the run's wrapped models."""
+    return max((m.get("batchnorms", 0) for m in record.models), default=0)
 
 
 @contextlib.contextmanager
