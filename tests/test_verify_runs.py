@@ -213,3 +213,20 @@ def test_a_learning_rate_that_differs_says_why_only_on_its_evidence():
     other = runs([0.1, 0.1], [0.13, 0.13])
     assert "the first stage that differs: the learning rate" in other.why
     assert "scaled" not in other.why and "fast" not in other.why
+
+
+def test_a_script_that_fails_is_told_with_its_own_line():
+    from ddpkit.verify.records import RunRecord
+    from ddpkit.verify.runs import _failed
+    stderr = "\n".join([
+        "Traceback (most recent call last):",
+        '  File "/home/me/train.py", line 42, in <module>',
+        "    vocab = load()",
+        '  File "/home/me/train.py", line 7, in load',
+        '  File "/usr/lib/python3.11/site-packages/torch/serialization.py", line 99, in load',
+        "FileNotFoundError: [Errno 2] No such file or directory: 'vocab.txt'"])
+    record = RunRecord(world_size=1, steps=[], seeds=[], seeded=True, loaders=[], models=[],
+                       foreign_loader=False, started=True)
+    said = _failed("train.py", 1, stderr, record)
+    assert said.endswith("FileNotFoundError: [Errno 2] No such file or directory: 'vocab.txt' "
+                         "(at train.py:7)")

@@ -358,8 +358,9 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *, accum_ste
     ``__getitem__``) from a seed of its own (run seed, epoch, sample), the caller's generators
     left as they were: each sample is augmented alike on any number of processes (and after
     a resume at another world size), with or without workers. It costs a seeding per sample
-    (about 23 us a sample here: benchmarks/seed_each_sample.py); by default what a sample draws depends on the samples fetched before it
-    (each batch seeded once in a worker; one stream per rank without workers).
+    (about 23 us a sample here: benchmarks/seed_each_sample.py); by default what a sample draws
+    depends on the samples fetched before it (each batch seeded once in a worker; one stream
+    per rank without workers).
 
     Example::
 

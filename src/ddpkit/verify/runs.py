@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,7 +197,21 @@ def _failed(script: str, nproc: int, stderr: str, record: RunRecord) -> str:
     said = said.strip()
     said = said[len("error:"):].strip() if said.startswith("error:") else said
     where = f"after {len(record.steps)} recorded step(s)" if record.started else "at start-up"
-    return f"{script} failed on {nproc} process(es) {where}: {said.strip()[:300]}"
+    line = _script_line(lines)
+    return (f"{script} failed on {nproc} process(es) {where}: {said.strip()[:300]}"
+            + (f" (at {line})" if line and line not in said else ""))
+
+
+def _script_line(lines: Sequence[str]) -> Optional[str]:
+    """``file:line`` of the traceback's last frame in the user's code (not Python's, torch's or
+    ddpkit's own), or None."""
+    found = None
+    for line in lines:
+        m = re.search(r'File "([^"]+)", line (\d+)', line)
+        if m and not any(part in m.group(1) for part in ("site-packages", "/lib/python",
+                                                        os.sep + "ddpkit" + os.sep, "<frozen")):
+            found = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+    return found
 
 
 def _rank_error(lines: Sequence[str]) -> Optional[str]:
