@@ -431,7 +431,8 @@ def test_a_rank_that_fails_is_told_by_its_exception_line_not_traceback():
 
     said = _failed("train.py", 2, stderr, record(True))
     assert said == ("train.py failed on 2 process(es) after 0 recorded step(s): [rank 1] "
-                    "RuntimeError: DataLoader worker (pid 6849) is killed by signal: Killed.")
+                    "RuntimeError: DataLoader worker (pid 6849) is killed by signal: Killed. "
+                    "(at train.py:65)")   # the script's own line, from its traceback
     said = _failed("train.py", 2, "error: --foo is not known\n[rank 0] x\n", record(False))
     assert said.endswith("at start-up: --foo is not known")
 

@@ -230,3 +230,18 @@ def test_a_script_that_fails_is_told_with_its_own_line():
     said = _failed("train.py", 1, stderr, record)
     assert said.endswith("FileNotFoundError: [Errno 2] No such file or directory: 'vocab.txt' "
                          "(at train.py:7)")
+
+
+def test_steps_where_rounding_has_grown_past_the_widest_band_are_not_compared():
+    """A training that amplifies rounding (a ResNet at lr 0.1 whose loss climbs): 1 process
+    with its batches reversed parts from itself by more than the widest band after a few steps,
+    so N processes within that spread are no evidence; beyond it they still are."""
+    from ddpkit.verify.compare import compare
+    from test_verify import _run
+    one, reordered = _run([2.0, 2.5, 3.0, 4.0]), _run([2.0, 2.5 + 1e-6, 3.0 + 6e-4, 4.0 + 8e-3])
+    many = _run([2.0, 2.5 + 1e-6, 3.0 + 4e-3, 4.0 - 2e-2], world=2)
+    verdict = compare(one, many, reordered, _run([2.0, 2.5, 3.0, 4.0]))
+    assert verdict.passed and [s["verdict"] for s in verdict.steps] == ["ok", "ok", "noise", "noise"]
+    assert verdict.notes[0] == "2 optimizer step(s)" and "steps 3 to 4 not compared" in verdict.notes[1]
+    worse = _run([2.0, 2.5 + 1e-6, 3.0 + 0.5, 4.0], world=2)   # beyond even the grown spread
+    assert not compare(one, worse, reordered, _run([2.0, 2.5, 3.0, 4.0])).passed

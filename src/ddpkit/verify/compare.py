@@ -65,6 +65,7 @@ class Verdict:
     nondeterministic: bool = False       # one process run twice already differed
     band: float = FLOOR                  # the tolerance at the first divergent step
     accum: int = 1                       # micro-batches a step of the 1-process runs took
+    amplified: Optional[Tuple[int, float]] = None  # (step, spread): from there rounding grows
 
 
 def _params(a: Step, b: Step) -> float:
@@ -121,24 +122,31 @@ def _steps(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord],
     floor, ceiling = bounds(dtypes)
     band = [min(max(MARGIN * max(r, a), floor), ceiling) for r, a in zip(
         order, repeat if not nondeterministic else [0.0] * len(repeat))]
-    rows, largest, first = [], 0.0, None
+    rows, largest, first, amplified = [], 0.0, None, None
     for i, (a, b) in enumerate(zip(one.steps, many.steps)):
         diff = _difference(a, b)
         worst = max(diff.values())
         same_samples = None if a.samples is None or b.samples is None else a.samples == b.samples
         ok = worst <= band[i] and same_samples is not False
-        largest = max(largest, worst)
+        # After step 1, 1 process with its batches reversed parting by more than the widest band
+        # is the training amplifying rounding, step after step: within that, no evidence.
+        noise = MARGIN * max(order[i], repeat[i] if not nondeterministic else 0.0)
+        drowned = i > 0 and noise > ceiling and worst <= noise and same_samples is not False
+        amplified = i if drowned and amplified is None else amplified
+        largest = max(largest, worst) if amplified is None else largest
         rows.append({"step": a.step, "samples_equal": same_samples, "loss_1": a.loss,
                      "loss_n": b.loss, "relative": worst, "tolerance": band[i],
-                     "verdict": "ok" if ok else "DIVERGES", **{f"rel_{k}": v for k, v in
-                                                               diff.items()}})
-        if not ok and first is None:
+                     "verdict": "ok" if ok else "noise" if drowned else "DIVERGES",
+                     **{f"rel_{k}": v for k, v in diff.items()}})
+        if not ok and not drowned and first is None:
             first = i
     verdict = Verdict(passed=first is None and not nondeterministic, steps=rows, largest=largest,
                       autocast=dtypes, floor=floor, ceiling=ceiling)
     verdict.first_divergent = rows[first]["step"] if first is not None else None
     verdict.nondeterministic = nondeterministic
     verdict.band = band[first] if first is not None else floor
+    if amplified is not None:
+        verdict.amplified = (rows[amplified]["step"], max(order[amplified:], default=0.0))
     return verdict
 
 
@@ -189,6 +197,14 @@ def _explain(verdict: Verdict, one: RunRecord, many: RunRecord, again: Optional[
         return
     verdict.notes = evidence.what_was_compared(one, many, eval_within) + \
         metrics.printed_notes(one, many, again, verdict.band)
+    if verdict.amplified is not None:
+        step, spread = verdict.amplified
+        verdict.notes[0] = f"{step - 1} optimizer step(s)"
+        verdict.notes.insert(1, f"steps {step} to {verdict.steps[-1]['step']} not compared: 1 "
+                                f"process with its batches reversed already parts from itself "
+                                f"by up to {spread:.1e} there (the training amplifies float "
+                                "rounding step after step); fewer --steps, or a smaller "
+                                "learning rate, compare more")
     twice = evidence.gradient_collectives(many)
     if twice:
         verdict.notes.append(f"the script reduces gradients itself at {twice[0]['site']} on "
