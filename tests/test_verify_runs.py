@@ -245,3 +245,24 @@ def test_steps_where_rounding_has_grown_past_the_widest_band_are_not_compared():
     assert verdict.notes[0] == "2 optimizer step(s)" and "steps 3 to 4 not compared" in verdict.notes[1]
     worse = _run([2.0, 2.5 + 1e-6, 3.0 + 0.5, 4.0], world=2)   # beyond even the grown spread
     assert not compare(one, worse, reordered, _run([2.0, 2.5, 3.0, 4.0])).passed
+
+
+@pytest.mark.slow
+def test_the_default_steps_stop_at_a_shorter_epoch_and_say_so(tmp_path):
+    """A script whose epoch has fewer optimizer steps than the default 10 (hand-written
+    accumulation, a small dataset) is compared over its epoch, not refused; --steps given by
+    the user is still refused past it, in one line."""
+    script = tmp_path / "short.py"
+    script.write_text(
+        "import torch, ddpkit\nrt = ddpkit.setup(seed=0)\nmodel = rt.wrap(torch.nn.Linear(4, 2))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 2))\n"
+        "for epoch in range(3):\n    for x, y in rt.loader(data, 16):\n"
+        "        (model(x) - y).pow(2).mean().backward(); opt.step(); opt.zero_grad()\n")
+    proc = _verify(str(script), cwd=tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "over 4 steps" in out, out + err
+    assert "the default) is past the script's first epoch (4 optimizer steps): 4 compared" in out
+    proc = _verify("--steps", "6", str(script), cwd=tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "pass --steps 4 or less" in err, out + err

@@ -22,7 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "and on N, records every optimizer step through "
                                    "ddpkit.setup(), and compares them step by step.")
     p.add_argument("--nproc", type=int, default=2, help="processes to compare with 1 (default 2)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps to compare (default 10)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps to compare (default 10, or the script's first epoch "
+                        "when it is shorter)")
     p.add_argument("--accum-steps", type=int, default=None, metavar="K",
                    help="on 1 process, accumulate K micro-batches per step, the batches of K "
                         "ranks (K = N: the same micro-batch as on N; for scripts that step on "

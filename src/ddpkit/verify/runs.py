@@ -47,6 +47,16 @@ class Diverged(Exception):
         self.cause, self.why, self.evidence = cause, why, list(evidence)
 
 
+class PastEpoch(ConfigError):
+    """More steps asked than the 1-process epoch has: ``limit`` steps compare alike; ``record``
+    is the run, which went on past them (its first ``limit`` steps are those of a shorter
+    run)."""
+
+    def __init__(self, message: str, record: RunRecord, limit: int, epoch: str) -> None:
+        super().__init__(message)
+        self.record, self.limit, self.epoch = record, limit, epoch
+
+
 class RunFailed(ConfigError):
     """A run that failed or hung: ``hung`` for a timeout; ``said`` is its own last word."""
 
@@ -242,9 +252,9 @@ def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool, npro
             advice = f"pass --steps {limit} or less" if limit else "give it more samples"
             seen = f" (before it, {_passes(record.untrained)} that trained on nothing, not " \
                 "counted)" if record.untrained else ""
-            raise ConfigError(f"--steps {steps} goes past the script's first training epoch "
-                              f"over its rt.loader: {ends[0]} optimizer steps{why}{seen}; "
-                              f"{advice}")
+            raise PastEpoch(f"--steps {steps} goes past the script's first training epoch "
+                            f"over its rt.loader: {ends[0]} optimizer steps{why}{seen}; "
+                            f"{advice}", record, limit, f"{ends[0]} optimizer steps{why}")
     if len(record.steps) < steps:
         raise ConfigError(f"{script} ended after {len(record.steps)} optimizer step(s), fewer "
                           f"than --steps {steps} on {record.world_size} process(es); pass "
@@ -270,7 +280,7 @@ def _epoch_limit(steps: int, loader: dict, nproc: int, accum: int) -> Tuple[int,
     return steps, ""
 
 
-def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 10,
+def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: Optional[int] = None,
            workdir: Optional[str] = None, timeout: Optional[float] = 900,
            accum: Optional[int] = None, eval_within: int = 200) -> Verdict:
     """Run ``script`` on 1 and on ``nproc`` processes and compare them step by step; with
@@ -287,6 +297,7 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
         verdict = verify("examples/train_ddpkit.py", ["--epochs", "1"], nproc=2, steps=10)
         verdict.passed
     """
+    asked, steps = steps, DEFAULT_STEPS if steps is None else steps  # default: <= an epoch
     if nproc < 2:
         raise ConfigError(f"--nproc must be >= 2 to compare with one process, got {nproc}")
     if steps < 1:
@@ -305,11 +316,12 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
                               nproc_many=nproc,
                               eval_within=eval_within if name != "reordered" else 0)
         try:
-            records["one"] = run(*PLAN[0])
+            records["one"], steps, shorter = _first(lambda: run(*PLAN[0]), steps, asked)
             if auto and _batchnorms(records["one"]):  # compare the micro-batches the ranks take
                 try:
                     accum, first = nproc, records["one"]
-                    records["one"] = run("one-accumulating", 1, False)
+                    records["one"], steps, _ = _first(lambda: run("one-accumulating", 1, False),
+                                                      steps, asked)
                 except RunFailed:
                     raise
                 except ConfigError:  # the batch does not split, an optimizer made too early
@@ -330,11 +342,31 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: int = 1
     verdict = compare(records["one"], records["many"], records["reordered"], records["again"],
                       steps, eval_within)
     verdict.accum = accum
+    if shorter:
+        verdict.notes.append(f"--steps {DEFAULT_STEPS} (the default) is past the script's first "
+                             f"epoch ({shorter}): {steps} compared; pass --steps to choose")
     if auto and accum > 1:
         verdict.notes.append(f"BatchNorm: {_batchnorms(records['one'])} layer(s) normalise each "
                              f"rank's batch, so 1 process accumulated {accum} micro-batches, the "
                              f"{accum} ranks' batches, a step (--accum-steps 1 compares without)")
     return verdict
+
+
+#: Optimizer steps compared when ``--steps`` is not given (fewer when the epoch is shorter).
+DEFAULT_STEPS = 10
+
+
+def _first(run: Callable[[], RunRecord], steps: int,
+           asked: Optional[int]) -> Tuple[RunRecord, int, str]:
+    """The 1-process run that sets the limits, the steps to compare, and the epoch that cut
+    them ('' when none did): past its epoch, steps the user did not ask for are cut to it."""
+    try:
+        return run(), steps, ""
+    except PastEpoch as exc:
+        if asked is not None or exc.limit < 1:
+            raise
+        exc.record.steps = exc.record.steps[:exc.limit]
+        return exc.record, exc.limit, exc.epoch
 
 
 def _batchnorms(record: RunRecord) -> int:
