@@ -266,3 +266,18 @@ def test_the_default_steps_stop_at_a_shorter_epoch_and_say_so(tmp_path):
     proc = _verify("--steps", "6", str(script), cwd=tmp_path)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "pass --steps 4 or less" in err, out + err
+
+
+def test_the_loss_calls_record_their_weights_bce_pos_weight_included(monkeypatch):
+    from ddpkit.verify.probe_watch import watch_losses
+    functional = nn.functional
+    for name in ("cross_entropy", "nll_loss", "binary_cross_entropy_with_logits"):
+        monkeypatch.setattr(functional, name, getattr(functional, name))   # put back after
+    calls = []
+    watch_losses(lambda *call: calls.append(call))
+    x, y = torch.zeros(4, 3), torch.tensor([0, 1, 2, 1])
+    functional.cross_entropy(x, y, weight=torch.tensor([1.0, 2.0, 3.0]))
+    nn.BCEWithLogitsLoss(pos_weight=torch.tensor([7.0]))(torch.zeros(4, 1), torch.ones(4, 1))
+    (ce, n, w, divisor), (bce, m, (weight, pos), _) = calls
+    assert (ce, n, divisor) == ("mean", 4, 1.0 + 2.0 + 3.0 + 2.0) and w is not None
+    assert (bce, m, weight) == ("mean", 4, None) and pos is not None

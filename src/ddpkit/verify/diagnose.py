@@ -250,8 +250,8 @@ def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step,
                                   "1-process loss: it is scaled by the number of processes")
     weights = [[c[2] for c in rank if len(c) > 2 and c[2] is not None] for rank in b.loss_counts]
     if weights and weights[0] and any(w != weights[0] for w in weights[1:]):
-        return ("ranks-differ", f"step {a.step}: the loss's weight= (cross_entropy/nll_loss) "
-                                "differs between ranks: each rank weighs its targets with "
+        return ("ranks-differ", f"step {a.step}: the loss's weight= (cross_entropy, nll_loss; "
+                                "BCE's pos_weight=) differs between ranks: each rank weighs its targets with "
                                 "other weights, so the ranks do not compute one loss; compute "
                                 "the weights the same on every rank (from counts reduced over "
                                 "ranks, or from the whole dataset)")

@@ -191,7 +191,8 @@ def _watched(name: str, original: Callable, record: Callable[[Dict[str, Any]], N
 
 
 def watch_losses(record: Callable[..., None]) -> List[Tuple[Any, Any]]:
-    """Wrap ``cross_entropy`` and ``nll_loss`` to record, for each call, its reduction, over how
+    """Wrap ``cross_entropy``, ``nll_loss`` (and ``binary_cross_entropy_with_logits``: its
+    ``weight=`` and ``pos_weight=``) to record, for each call, its reduction, over how
     many targets it averaged (the ``ignore_index`` ones left out), a CRC-32 of its ``weight=``
     (or None) and what a mean divides by (the targets' weights summed, with ``weight=``):
     per-rank means over unequal divisors are a mean of means; weights that differ between ranks
@@ -220,6 +221,20 @@ def watch_losses(record: Callable[..., None]) -> List[Tuple[Any, Any]]:
 
         setattr(functional, name, counted)
         pairs.append((original, counted))
+    original_bce = functional.binary_cross_entropy_with_logits
+
+    def weighed(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        weights = [kwargs.get("weight", args[0] if args else None),
+                   kwargs.get("pos_weight", args[4] if len(args) > 4 else None)]
+        digest = [zlib.crc32(_bytes_of(w)) if torch.is_tensor(w) else None for w in weights]
+        if torch.is_tensor(target):
+            record(kwargs.get("reduction", args[3] if len(args) > 3 else "mean"),
+                   int(target.numel()), None if digest == [None, None] else digest,
+                   float(target.numel()))
+        return original_bce(input, target, *args, **kwargs)
+
+    functional.binary_cross_entropy_with_logits = weighed
+    pairs.append((original_bce, weighed))
     return pairs
 
 
