@@ -276,6 +276,12 @@ def augmentation_notes(one: RunRecord, many: RunRecord) -> List[str]:
     if loader.get("seed_each_sample"):
         return ["augmentation compared as the script draws it: rt.loader(seed_each_sample=True)"]
     if not one.draws and not many.draws:
+        if loader.get("num_workers"):  # what __getitem__ draws in a worker is out of sight
+            return ["with DataLoader workers verify cannot see whether the dataset draws random "
+                    "numbers: it seeded each sample's draws on its own (run seed, epoch, sample); "
+                    "if the dataset augments, the script's own runs augment depending on the "
+                    "number of processes: rt.loader(..., seed_each_sample=True) makes it the "
+                    "same"]
         return []
     drawn = [g for g in _NAMES if g in set(one.draws) | set(many.draws)]
     names = " and ".join(f"{_NAMES.get(g, g)} generator" for g in drawn)
