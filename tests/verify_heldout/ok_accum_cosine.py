@@ -2,8 +2,8 @@
 AdamW with separate weight-decay groups, warmup + cosine LR per optimizer step, clipping,
 a log line every 8 optimizer steps.
 
-    python ok_accum_cosine.py
-    ddpkit run --nproc 2 ok_accum_cosine.py
+    python train.py
+    ddpkit run --nproc 2 train.py
 """
 import math
 from contextlib import nullcontext

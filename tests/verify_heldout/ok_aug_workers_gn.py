@@ -2,8 +2,8 @@
 (random flip, shift and noise from a per-sample generator), 2 loader workers, a first pass
 over the loader to report the class balance, own validation loop.
 
-    python ok_aug_workers_gn.py
-    ddpkit run --nproc 2 ok_aug_workers_gn.py
+    python train.py
+    ddpkit run --nproc 2 train.py
 """
 import torch
 from torch import nn

@@ -1,8 +1,8 @@
 """Classifier with an exponential moving average (EMA) of its weights: the EMA copy is what
 gets validated, early stopping on its validation loss (patience 2), best EMA weights kept.
 
-    python ok_ema_early_stop.py
-    ddpkit run --nproc 2 ok_ema_early_stop.py
+    python train.py
+    ddpkit run --nproc 2 train.py
 """
 import copy
 

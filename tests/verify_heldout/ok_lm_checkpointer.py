@@ -2,8 +2,8 @@
 AdamW + per-batch cosine schedule, saved with ddpkit's checkpointer every 8 steps and each
 epoch, validation loss / perplexity per epoch.
 
-    python ok_lm_checkpointer.py
-    ddpkit run --nproc 2 ok_lm_checkpointer.py
+    python train.py
+    ddpkit run --nproc 2 train.py
 """
 import difflib
 import inspect

@@ -1,8 +1,8 @@
 """Variable-length sequence classifier: packed 2-layer LSTM over padded token sequences,
 SGD + StepLR per epoch, clipping, a validation pass every 6 steps in the middle of training.
 
-    python ok_padded_lstm_mid_eval.py
-    ddpkit run --nproc 2 ok_padded_lstm_mid_eval.py
+    python train.py
+    ddpkit run --nproc 2 train.py
 """
 import torch
 from torch import nn
