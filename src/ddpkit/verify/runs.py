@@ -317,6 +317,7 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: Optiona
                               eval_within=eval_within if name != "reordered" else 0)
         try:
             records["one"], steps, shorter = _first(lambda: run(*PLAN[0]), steps, asked)
+            _check_divides(records["one"], nproc)  # before a rerun that splits the batch N ways
             if auto and _batchnorms(records["one"]):  # compare the micro-batches the ranks take
                 try:
                     accum, first = nproc, records["one"]
@@ -326,7 +327,6 @@ def verify(script: str, args: Sequence[str] = (), nproc: int = 2, steps: Optiona
                     raise
                 except ConfigError:  # the batch does not split, an optimizer made too early
                     accum, records["one"] = 1, first
-            _check_divides(records["one"], nproc)
             rest = side_by_side([lambda plan=plan: run(*plan) for plan in PLAN[1:]])
             for (name, _, _), (record, error) in zip(PLAN[1:], rest):
                 if error is not None:  # the first in PLAN's order, as if run one by one
