@@ -184,3 +184,21 @@ def test_an_elastic_script_keeps_the_job_and_step_when_a_node_fails():
 def test_an_elastic_script_needs_fewer_min_nodes_than_nodes(min_nodes, message):
     with pytest.raises(ConfigError, match=message):
         render_sbatch(3, 0, "train.py", min_nodes=min_nodes)
+
+
+@pytest.mark.parametrize("time_limit", ["soon", "1h", "01:00:00:00", "-5", "1-", "2-1:2:3:4",
+                                        "10:", ":30", "1.5"])
+def test_a_time_limit_slurm_would_refuse_is_one_line_naming_its_formats(time_limit):
+    with pytest.raises(ConfigError) as info:
+        render_sbatch(2, 4, "train.py", time=time_limit)
+    message = str(info.value)
+    assert "\n" not in message and f"--time {time_limit!r}" in message
+    for form in ('"minutes"', '"minutes:seconds"', '"hours:minutes:seconds"', '"days-hours"',
+                 '"days-hours:minutes"', '"days-hours:minutes:seconds"'):
+        assert form in message
+
+
+@pytest.mark.parametrize("time_limit", ["90", "30:00", "01:30:00", "2-00", "2-12:30",
+                                        "1-00:00:00", "UNLIMITED", "infinite"])
+def test_every_time_format_slurm_takes_is_rendered_as_given(time_limit):
+    assert f"#SBATCH --time={time_limit}\n" in render_sbatch(2, 4, "train.py", time=time_limit)

@@ -4,6 +4,7 @@ Pure text rendering with its arguments checked; nothing here talks to Slurm.
 """
 from __future__ import annotations
 
+import re
 import shlex
 from typing import List, Sequence
 
@@ -30,6 +31,20 @@ def _check_directive(name: str, value: object) -> None:
     """Raise ConfigError unless ``value`` is a non-empty string without whitespace."""
     if not isinstance(value, str) or not value or any(ch.isspace() for ch in value):
         raise ConfigError(f"bad {name}={value!r}; it must be a non-empty string without spaces or newlines")
+
+
+#: The time limits sbatch takes (``man sbatch``, --time): the forms named, and no limit.
+_TIME_FORMS = ('"minutes"', '"minutes:seconds"', '"hours:minutes:seconds"', '"days-hours"',
+               '"days-hours:minutes"', '"days-hours:minutes:seconds"')
+_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:unlimited|infinite)")
+
+
+def _check_time(value: object) -> None:
+    """Raise ConfigError unless ``value`` is a time limit sbatch accepts; the line names its
+    formats, so a typo is caught here rather than by sbatch after the script was written."""
+    if not isinstance(value, str) or not _TIME.fullmatch(value):
+        raise ConfigError(f"bad --time {value!r}: Slurm takes {', '.join(_TIME_FORMS[:-1])} or "
+                          f"{_TIME_FORMS[-1]} (e.g. 90, 01:30:00, 2-12), or UNLIMITED")
 
 
 def _check_sbatch_args(
@@ -106,7 +121,7 @@ def render_sbatch(
     if requeue_grace is not None:
         _check_int("requeue_grace", requeue_grace, 1)
     _check_directive("job_name", job_name)
-    _check_directive("time", time)
+    _check_time(time)
     if partition is not None:
         _check_directive("partition", partition)
     nproc = gpus_per_node or 1
