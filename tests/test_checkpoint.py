@@ -135,7 +135,7 @@ def _damage_middle(path):
 
 @pytest.mark.parametrize("damage", [_damage_truncate, _damage_middle],
                          ids=["truncated", "corrupted"])
-def test_damaged_latest_warns_and_falls_back_to_the_previous(tmp_path, damage):
+def test_damaged_latest_warns_and_falls_back_to_the_previous(tmp_path, damage, capsys):
     for step in (1, 2):
         save_checkpoint(state_for(step), tmp_path, step)
     newest = tmp_path / "ckpt-000000002.pt"
@@ -143,8 +143,8 @@ def test_damaged_latest_warns_and_falls_back_to_the_previous(tmp_path, damage):
     with pytest.raises(ConfigError, match=r"ckpt-000000002\.pt is unreadable \(truncated or "
                                           r"corrupted\): \S"):
         load_checkpoint(newest)
-    with pytest.warns(UserWarning, match=r"ckpt-000000002\.pt is unreadable"):
-        path, state = find_latest(tmp_path)
+    path, state = find_latest(tmp_path)
+    assert "ckpt-000000002.pt is unreadable" in capsys.readouterr().err
     assert path.name == "ckpt-000000001.pt"
     assert torch.equal(state["model"]["w"], state_for(1)["model"]["w"])
 
@@ -184,19 +184,61 @@ def test_malicious_pickles_are_refused_and_never_executed(tmp_path):
     evil_raw = tmp_path / "evil.pkl"
     evil_raw.write_bytes(pickle.dumps({"x": _RunsCode(exec, _touch_cmd(marker))}, protocol=2))
     for path in (evil_zip, evil_raw):
-        with pytest.raises(ConfigError, match="refused.*never executed"):
+        with pytest.raises(ConfigError, match="refused: not a ddpkit checkpoint, not loaded"):
             load_checkpoint(path)
     assert not marker.exists()
 
 
-def test_malicious_latest_is_skipped_by_find_latest(tmp_path):
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_a_pickle_that_would_run_code_is_refused_not_called_unreadable(tmp_path, protocol, capsys):
+    # pickle.dumps' default protocol (4, 5) framed: torch's safe loader stops at its first
+    # opcode, before the global it names, so the refusal must not read as a torn file
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "ckpt-000000003.pt"
+    evil.write_bytes(pickle.dumps({"model": _RunsCode(os.system, f"touch {marker}")},
+                                  protocol=protocol))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no raw torch warning about the protocol either
+        with pytest.raises(ConfigError) as info:
+            load_checkpoint(evil)
+    message = str(info.value)
+    assert "refused: not a ddpkit checkpoint, not loaded" in message, message
+    assert "system" in message and "unreadable" not in message and "\n" not in message
+    assert not marker.exists()
+    _damage_truncate(evil)  # torn after the global: still refused, not "unreadable"
+    with pytest.raises(ConfigError, match="refused: not a ddpkit checkpoint, not loaded"):
+        load_checkpoint(evil)
+    assert not marker.exists() and capsys.readouterr().err == ""
+
+
+def test_a_skipped_checkpoint_is_one_warning_line_not_a_python_warning(tmp_path, capsys):
+    for step in (1, 2):
+        save_checkpoint(state_for(step), tmp_path, step)
+    _damage_truncate(tmp_path / "ckpt-000000002.pt")
+    (tmp_path / "latest").write_text("not a name")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a raw warning (file path, source line) would raise
+        path, _ = find_latest(tmp_path)
+    assert path.name == "ckpt-000000001.pt"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("warning: ") for line in err), err
+    assert "latest: 'not a name' is not a checkpoint name" in err[0]
+    assert "ckpt-000000002.pt is unreadable (truncated or corrupted)" in err[1]
+    assert err[1].endswith("; skipping it") and ".py:" not in err[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_resume("auto", tmp_path, quiet=True)[0] == path  # the launcher's look
+    assert capsys.readouterr().err == ""
+
+
+def test_malicious_latest_is_skipped_by_find_latest(tmp_path, capsys):
     marker = tmp_path / "pwned"
     for step in (1, 2):
         save_checkpoint(state_for(step), tmp_path / "ck", step)
     # The file the latest pointer names is swapped for a malicious one.
     torch.save({"x": _RunsCode(exec, _touch_cmd(marker))}, tmp_path / "ck" / "ckpt-000000002.pt")
-    with pytest.warns(UserWarning, match=r"ckpt-000000002\.pt was refused"):
-        path, _ = find_latest(tmp_path / "ck")
+    path, _ = find_latest(tmp_path / "ck")
+    assert "ckpt-000000002.pt refused: not a ddpkit checkpoint" in capsys.readouterr().err
     assert path.name == "ckpt-000000001.pt" and not marker.exists()
 
 
@@ -218,11 +260,12 @@ def test_missing_paths_and_resume_values(tmp_path):
     assert file_path.name == "ckpt-000000004.pt" and state["step"] == 4
 
 
-def test_only_unreadable_checkpoints_is_an_error_not_a_fresh_start(tmp_path):
+def test_only_unreadable_checkpoints_is_an_error_not_a_fresh_start(tmp_path, capsys):
     path = save_checkpoint(state_for(1), tmp_path, 1)
     _damage_truncate(path)
-    with pytest.warns(UserWarning), pytest.raises(ConfigError, match="none of the 1 checkpoints"):
+    with pytest.raises(ConfigError, match="none of the 1 checkpoints"):
         find_latest(tmp_path)
+    assert capsys.readouterr().err.startswith("warning: checkpoint ")
 
 
 def test_model_mismatch_names_keys_and_shapes():
@@ -320,11 +363,11 @@ def test_bad_arguments(tmp_path):
         find_latest(a_file)
 
 
-def test_pointer_to_elsewhere_is_ignored(tmp_path):
+def test_pointer_to_elsewhere_is_ignored(tmp_path, capsys):
     save_checkpoint(state_for(1), tmp_path, 1)
     (tmp_path / ck.LATEST).write_text("../../etc/passwd\n")
-    with pytest.warns(UserWarning, match="not a checkpoint name"):
-        assert find_latest(tmp_path)[0].name == "ckpt-000000001.pt"
+    assert find_latest(tmp_path)[0].name == "ckpt-000000001.pt"
+    assert "not a checkpoint name" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -371,4 +414,4 @@ def test_random_bytes_are_not_a_checkpoint_not_code(tmp_path):
         load_checkpoint(path)
     message = str(info.value)
     assert message.startswith(f"{path} is not a checkpoint (unreadable: ")
-    assert "never executed" not in message and "\n" not in message
+    assert "refused" not in message and "\n" not in message

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import re
+import sys
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -20,6 +21,7 @@ from .compat import check_compatible, check_optimizer_compatible
 from .write import SaveError, atomic_write, disk_full, no_space, state_bytes
 from ..errors import ConfigError, DDPKitError
 from .names import _NAME, _step_of, checkpoint_name, list_checkpoints
+from .pickles import code_named, refused_line
 from .sharded import remove_shards
 
 __all__ = ["checkpoint_name", "save_checkpoint", "load_checkpoint", "list_checkpoints",
@@ -172,8 +174,8 @@ def _prune(directory: Path, final: Path, keep: int) -> None:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            warnings.warn(f"could not delete old checkpoint {path} ({exc}); delete it by hand",
-                          stacklevel=3)
+            _warn(f"could not delete old checkpoint {path} ({exc.strerror or exc}); delete it "
+                  "by hand")
 
 
 # --------------------------------------------------------------------------- loading
@@ -195,15 +197,18 @@ def load_checkpoint(path: PathLike, map_location: Any = None, *, verify: bool = 
         raise ConfigError(f"checkpoint {path} {what}; check the path")
     verified = verify and _verify_records(path)
     try:
-        state = torch.load(path, map_location=map_location or "cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if not _names_code(exc):  # random bytes, a text file: not a pickle that wants to run code
-            raise ConfigError(_not_a_checkpoint(path, exc)) from None
-        raise ConfigError(_refused(path, exc)) from None
+        with warnings.catch_warnings():  # a pickle of protocol 4/5 draws torch's own warning
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(path, map_location=map_location or "cpu", weights_only=True)
     except PermissionError as exc:
         raise ConfigError(f"checkpoint {path} cannot be read ({exc.strerror}); "
                           "fix its permissions") from None
     except Exception as exc:
+        code = code_named(path)  # a pickle that asks for code: refused, whatever torch said
+        if code is not None:
+            raise ConfigError(refused_line(path, code)) from None
+        if isinstance(exc, pickle.UnpicklingError):  # random bytes, a text file
+            raise ConfigError(_not_a_checkpoint(path, exc)) from None
         if verified:  # the bytes are intact, so this is not corruption (e.g. a bad map_location)
             raise
         raise ConfigError(_unreadable(path, exc)) from None
@@ -251,31 +256,16 @@ def _not_a_checkpoint(path: Path, exc: BaseException) -> str:
             f"of tensors; {why}); pass a file written by save_checkpoint")
 
 
-def _names_code(exc: BaseException) -> bool:
-    """Did the safe loader stop at something the pickle asked to import or call?"""
-    text = str(exc)
-    return bool(re.search(r"GLOBAL [\w.]+|Unsupported global|REDUCE|BUILD", text))
-
-
-def _refused(path: Path, exc: BaseException) -> str:
-    # torch buries the reason in a long message: pull out the blocked global or the parser error.
-    text = str(exc)
-    blocked = re.search(r"GLOBAL ([\w.]+)", text)
-    detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
-    why = (f"it needs {blocked.group(1)}, which the safe loader does not allow" if blocked
-           else detail.group(1).strip()[:120] if detail else _short(exc))
-    return (f"checkpoint {path} was refused by the safe (weights_only) loader and never "
-            f"executed: {why}; load only checkpoints written by save_checkpoint")
-
-
-def find_latest(directory: PathLike,
-                map_location: Any = None) -> Optional[Tuple[Path, dict]]:
+def find_latest(directory: PathLike, map_location: Any = None, *,
+                quiet: bool = False) -> Optional[Tuple[Path, dict]]:
     """The newest loadable checkpoint in ``directory`` and its state, or ``None`` if there is none.
 
     Tries them in :func:`resume_order` (a checkpoint written after the ``latest`` pointer last
     moved, the pointer's, then the rest newest first); unreadable ones
-    (torn, corrupted, refused) are skipped with a warning. Raises :class:`ConfigError` when
-    checkpoints exist but none of them loads (rather than silently starting over).
+    (torn, corrupted, refused) are skipped with a ``warning:`` line from rank 0 (none when
+    ``quiet``: a launcher's look ahead of the ranks that will say it). Raises
+    :class:`ConfigError` when checkpoints exist but none of them loads (rather than silently
+    starting over).
 
     Example::
 
@@ -284,19 +274,19 @@ def find_latest(directory: PathLike,
             path, state = found
     """
     directory = Path(directory).expanduser()
-    order = resume_order(directory)
+    order = resume_order(directory, quiet=quiet)
     for path in order:
         try:
             return path, _with_shards(path, load_checkpoint(path, map_location))
         except ConfigError as exc:
-            warnings.warn(f"{exc}; skipping it", stacklevel=2)
+            _warn(f"{exc}; skipping it", quiet)
     if order:
         raise ConfigError(f"none of the {len(order)} checkpoints in {directory} could be loaded "
-                          "(see the warnings); move them away to start fresh")
+                          "(see the warnings above); move them away to start fresh")
     return None
 
 
-def resume_order(directory: PathLike) -> List[Path]:
+def resume_order(directory: PathLike, *, quiet: bool = False) -> List[Path]:
     """The checkpoints of ``directory`` in the order a resume tries them: the first is the one
     it takes when it loads (what a stop line should name).
 
@@ -312,13 +302,20 @@ def resume_order(directory: PathLike) -> List[Path]:
     """
     directory = Path(directory).expanduser()
     files = list_checkpoints(directory)
-    pointed = _pointer_target(directory) if files else None
+    pointed = _pointer_target(directory, quiet) if files else None
     if pointed is None or pointed not in files:
         return list(reversed(files))
     moved = (directory / LATEST).stat().st_mtime_ns
     after = [p for p in reversed(files) if p.stat().st_mtime_ns > moved and
              _step_of(p) > _step_of(pointed)]
     return after + [pointed] + [p for p in reversed(files) if p != pointed and p not in after]
+
+
+def _warn(text: str, quiet: bool = False) -> None:
+    """A checkpoint problem worked around: one ``warning:`` line from rank 0, as ddpkit says its
+    other warnings (not a Python warning, which shows ddpkit's file and source line)."""
+    if not quiet and comm.is_main():
+        print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 def _with_shards(path: Path, state: dict) -> dict:
@@ -330,30 +327,31 @@ def _with_shards(path: Path, state: dict) -> dict:
     return state
 
 
-def _pointer_target(directory: Path) -> Optional[Path]:
+def _pointer_target(directory: Path, quiet: bool = False) -> Optional[Path]:
     pointer = directory / LATEST
     try:
         name = pointer.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
-        warnings.warn(f"ignoring unreadable {pointer} ({exc}); scanning for checkpoints",
-                      stacklevel=3)
+        _warn(f"ignoring unreadable {pointer} ({exc}); scanning for checkpoints", quiet)
         return None
     if not _NAME.fullmatch(name):  # also refuses paths that would leave the directory
-        warnings.warn(f"ignoring {pointer}: {name[:60]!r} is not a checkpoint name; scanning "
-                      "for checkpoints", stacklevel=3)
+        _warn(f"ignoring {pointer}: {name[:60]!r} is not a checkpoint name; scanning for "
+              "checkpoints", quiet)
         return None
     return directory / name
 
 
 def resolve_resume(resume: Optional[PathLike], directory: PathLike,
-                   map_location: Any = None) -> Optional[Tuple[Path, dict]]:
+                   map_location: Any = None, *, quiet: bool = False
+                   ) -> Optional[Tuple[Path, dict]]:
     """Turn a ``--resume`` value into ``(path, state)``, or ``None`` to start fresh.
 
     ``None``/``""``: no resume. ``"auto"``: the newest checkpoint in ``directory`` if any.
     A file path loads that file; a directory path loads its newest checkpoint. An explicit
-    path that does not exist or holds nothing raises :class:`ConfigError`.
+    path that does not exist or holds nothing raises :class:`ConfigError`. ``quiet``: skipped
+    checkpoints are not said (see :func:`find_latest`).
 
     Example::
 
@@ -364,11 +362,11 @@ def resolve_resume(resume: Optional[PathLike], directory: PathLike,
     if resume is None or str(resume) == "":
         return None
     if str(resume) == "auto":
-        return find_latest(directory, map_location)
+        return find_latest(directory, map_location, quiet=quiet)
     path = Path(resume).expanduser()
     if not path.is_dir():
         return path, _with_shards(path, load_checkpoint(path, map_location))
-    found = find_latest(path, map_location)
+    found = find_latest(path, map_location, quiet=quiet)
     if found is None:
         raise ConfigError(f"resume directory {path} holds no checkpoint (ckpt-*.pt); pass a "
                           "checkpoint file, or 'auto' to start fresh when there is none")

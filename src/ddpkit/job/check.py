@@ -7,7 +7,6 @@ import importlib.util
 import math
 import os
 import sys
-import warnings
 from typing import Optional
 
 import torch
@@ -218,9 +217,8 @@ def check_resume(cfg: TrainConfig) -> None:
     """
     if not cfg.resume:
         return
-    with warnings.catch_warnings():  # torn checkpoints are skipped (and said) by the workers
-        warnings.simplefilter("ignore")
-        found = resolve_resume(cfg.resume, os.path.join(cfg.output, "checkpoints"))
+    # quiet: torn checkpoints are skipped (and said) by the workers
+    found = resolve_resume(cfg.resume, os.path.join(cfg.output, "checkpoints"), quiet=True)
     if cfg.eval_only and not found:
         raise ConfigError(f"--eval-only --resume {cfg.resume}: no checkpoint in "
                           f"{os.path.join(cfg.output, 'checkpoints')} to evaluate; give a "

@@ -1,0 +1,78 @@
+"""What a file the safe loader refused asks for: a pickle that names code to import or call (a
+malicious or foreign checkpoint) told apart from a torn or random one, without running it.
+
+torch's ``weights_only`` unpickler stops at the first opcode it does not know; for a pickle of
+protocol 4 or 5 that is the framing, before any global is read, so its own message cannot say
+which case it was. :func:`code_named` reads the opcodes with :mod:`pickletools`, which only parses.
+"""
+from __future__ import annotations
+
+import pickletools
+import zipfile
+from pathlib import Path
+from typing import IO, List, Optional
+
+__all__ = ["code_named", "refused_line"]
+
+# Opcodes that import a name (GLOBAL, INST: "module name" in their argument; STACK_GLOBAL: the
+# two strings pushed before it).
+_NAMING = ("GLOBAL", "INST")
+_STRINGS = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING",
+            "BINSTRING", "STRING")
+# What torch.save itself names; anything else is what made the safe loader refuse.
+_TORCH_OWN = ("torch.", "collections.OrderedDict", "builtins.set")
+
+
+def code_named(path: Path) -> Optional[str]:
+    """The first importable name (``module.attr``) the pickle in ``path`` asks for beyond what a
+    torch.save of tensors names, or None when it names none (random bytes, a torn tensor file).
+    A torn file counts up to where it ends. Nothing is imported or called.
+
+    Example::
+
+        code_named(Path("evil.pt"))   # 'posix.system'
+    """
+    try:
+        with _pickle_stream(path) as stream:
+            names = _names(stream)
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError):
+        return None
+    foreign = [n for n in names if not n.startswith(_TORCH_OWN)]
+    return foreign[0] if foreign else None
+
+
+def refused_line(path: Path, name: str) -> str:
+    """The one line for a checkpoint that asks for ``name``: refused, never run.
+
+    Example::
+
+        refused_line(Path("evil.pt"), "posix.system")
+    """
+    return (f"checkpoint {path} refused: not a ddpkit checkpoint, not loaded (it asks for "
+            f"{name}, code that the safe weights_only loader never runs); load only checkpoints "
+            "written by save_checkpoint, from a source you trust")
+
+
+def _pickle_stream(path: Path) -> IO[bytes]:
+    """The pickle's bytes: the ``data.pkl`` record of a torch.save archive, or the file."""
+    if zipfile.is_zipfile(path):
+        archive = zipfile.ZipFile(path)
+        member = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+        return archive.open(member)
+    return open(path, "rb")
+
+
+def _names(stream: IO[bytes]) -> List[str]:
+    names: List[str] = []
+    strings: List[str] = []
+    try:
+        for opcode, arg, _ in pickletools.genops(stream):
+            if opcode.name in _STRINGS and isinstance(arg, (str, bytes)):
+                strings = (strings + [arg if isinstance(arg, str) else arg.decode("latin-1")])[-2:]
+            elif opcode.name in _NAMING and isinstance(arg, str):
+                names.append(arg.replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) == 2:
+                names.append(".".join(strings))
+    except Exception:  # torn or not a pickle: what was read so far is the answer
+        pass
+    return names
