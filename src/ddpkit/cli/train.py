@@ -55,6 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "the embedded digits dataset, one process per GPU (2 on "
                                    "CPU), exact evaluation.")
     p.add_argument("--config", help="YAML or TOML file with TrainConfig keys (flags win)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--output holds an earlier run (results.json, checkpoints): delete its "
+                        "files first and start afresh (without it such a directory is refused "
+                        "unless --resume continues the run)")
     add_stall_flag(p)
     add_launch_flags(p)
     _add_config_flags(p)
@@ -77,4 +81,4 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from ..job.start import WORKER, start
 
     pass_stall_after(ns.stall_after)
-    return start(resolve(ns), run_config(ns, WORKER, module=True))
+    return start(resolve(ns), run_config(ns, WORKER, module=True), overwrite=ns.overwrite)

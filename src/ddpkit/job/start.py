@@ -27,6 +27,7 @@ from ..launchers.torchrun import RunConfig, run
 from .check import check_config, check_every_world, check_resume, known_train_size
 from ..env.dist import check_gpu_sharing
 from .config import TrainConfig, parse_nproc
+from .previous import claim_output
 from .rundir import hold_run_dir
 
 __all__ = ["start", "plan", "job_nproc", "resume_hint", "inside_a_launcher", "WORKER"]
@@ -107,17 +108,21 @@ def plan(cfg: TrainConfig, launch: RunConfig, inside_launcher: bool) -> str:
     return create_engine(cfg.engine).launcher
 
 
-def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
+def start(cfg: TrainConfig, launch: Optional[RunConfig] = None, overwrite: bool = False) -> int:
     """Check ``cfg``, save it to ``cfg.output/config.json`` and run the job; the exit status.
 
     ``launch`` carries the launch flags (nodes, rendezvous, restarts); its script is replaced
-    by the job's worker. With restarts the job resumes from its own checkpoints.
+    by the job's worker. With restarts the job resumes from its own checkpoints. An
+    ``output`` that holds an earlier run is refused unless ``cfg.resume`` continues it or
+    ``overwrite`` deletes it first (:func:`ddpkit.job.previous.claim_output`).
 
     Example::
 
         start(TrainConfig(epochs=2, output="runs/quick"))   # one process per GPU (2 on CPU)
     """
     launch = launch or RunConfig(WORKER)
+    if overwrite and cfg.resume:  # before the implied resume of restarts below
+        claim_output(cfg.output, cfg.resume, overwrite)
     # a restarted worker must pick up its work; an elastic group also restarts to grow
     if (launch.restarts or launch.elastic) and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume="auto")
@@ -142,7 +147,10 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None) -> int:
             cfg.dump(path)
             return _launch(cfg, launch, inside, path)
     # One run per directory: refused while another holds it, held through restarts.
-    with hold_run_dir(cfg.output, lock=_holds_lock(launch, inside)):
+    owner = _holds_lock(launch, inside)
+    with hold_run_dir(cfg.output, lock=owner):
+        if owner or not overwrite:  # one process deletes; the others take what it leaves
+            claim_output(cfg.output, cfg.resume, overwrite and owner)
         path = _save(cfg)
         with _resume_command(f"ddpkit train --config {path} --resume auto"):
             return _launch(cfg, launch, inside, path)
