@@ -231,6 +231,45 @@ def test_bad_plan_input_is_one_line(args, said, capsys):
     assert len(err) == 1 and said in err[0], err
 
 
+@pytest.mark.parametrize("params", ["1e12", "1e30"])
+def test_a_parameter_count_beyond_what_plan_models_is_one_line_at_once(params, capsys):
+    # issue: "Argument list too long" at 1e12, and 1e30 never ended
+    assert main(["plan", "--params", params, "--compute-ms", "10"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and f"--params {float(params):g} is more than plan models" in err[0], err
+    assert "at most 1e+11" in err[0]
+
+
+def test_a_large_model_is_planned_with_its_hooks_timed_on_a_slice_and_scaled(monkeypatch,
+                                                                             capsys):
+    """7e9 parameters: 28 GB of gradients a rank, which plan allocated on every timed rank (a
+    traceback after 96 s). The hooks are timed on the first HOOK_SLICE parameters' buckets (the
+    synthetic model is one 1024x1024 matrix after another, so every slice is alike) and their
+    times scaled to the whole model."""
+    import ddpkit.plan.calibrate as calibrate_module
+    from ddpkit.plan.predict import HOOK_SLICE
+
+    given = []
+
+    def fake_calibrate(job, *args, **kwargs):
+        given.append(sum(math.prod(s) for bucket in job["shapes"] for s in bucket))
+        return {h: Timing.of([0.001, 0.002, 0.003]) for h in args[2]}
+
+    monkeypatch.setattr(calibrate_module, "calibrate", fake_calibrate)
+    assert main(["plan", "--params", "7e9", "--compute-ms", "500", "--nodes", "2",
+                 "--nproc", "1"]) == 0
+    out = capsys.readouterr().out
+    assert given == [HOOK_SLICE] and HOOK_SLICE <= 2 ** 26
+    assert "7,000,000,000 parameters" in out
+    assert f"hooks timed on {HOOK_SLICE:,} of them and scaled" in out
+
+
+def test_a_large_synthetic_model_is_described_without_making_it():
+    work = synthetic_workload(7 * 10 ** 9, 0.5, 32)   # no module, no parameter objects
+    assert work.params == 7 * 10 ** 9
+    assert sum(math.prod(s) for b in work.bucket_shapes for s in b) == work.params
+
+
 def test_a_synthetic_model_is_stated_as_such():
     work = synthetic_workload(3 * 2 ** 20 + 5, 0.1, 8)
     assert work.params == 3 * 2 ** 20 + 5 and "1024x1024" in work.name

@@ -126,9 +126,7 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     compute = ns.compute_ms / 1e3 if ns.compute_ms is not None else None
     if compute is not None and not 0 < compute < math.inf:
         raise ConfigError(f"--compute-ms must be a number > 0, got {ns.compute_ms:g}")
-    if ns.params is not None and not 1 <= ns.params < math.inf:
-        raise ConfigError(f"--params must be a parameter count >= 1 (e.g. 25e6), got "
-                          f"{ns.params:g}")
+    _check_params(ns.params)
     with using_threads(rank_threads(host)):   # all of it as one rank of the job runs
         work, measured = _measure(ns, compute, per_node, host)
         flops = measure_flops()
@@ -155,6 +153,18 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_params(params: Optional[float]) -> None:
+    """``--params``: a count from 1 to what plan models (:data:`ddpkit.plan.predict.MAX_PARAMS`)."""
+    from ..plan.predict import MAX_PARAMS
+
+    if params is not None and not 1 <= params < math.inf:
+        raise ConfigError(f"--params must be a parameter count >= 1 (e.g. 25e6), got {params:g}")
+    if params is not None and params > MAX_PARAMS:
+        raise ConfigError(f"--params {params:g} is more than plan models (at most "
+                          f"{MAX_PARAMS:g}: DDP holds the whole model, its gradients and its "
+                          "optimizer state on every rank); give a count up to that")
+
+
 def _per_node(text: str) -> int:
     """``--nproc``: what ``ddpkit train --nproc`` would start on this node."""
     import torch
@@ -168,6 +178,12 @@ def _per_node(text: str) -> int:
                           "auto") from None
 
 
+def _scaled(timing, factor: float):  # -> Timing
+    """``timing`` of a slice, as the whole (``factor`` times as many alike matrices) takes it."""
+    return dataclasses.replace(timing, median=timing.median * factor, low=timing.low * factor,
+                               high=timing.high * factor)
+
+
 def _measure(ns: argparse.Namespace, compute, per_node: int, host: int
              ):  # -> (Workload, Measured)
     """The workload and how it was measured: the job's step and each hook's compute, timed on
@@ -178,7 +194,7 @@ def _measure(ns: argparse.Namespace, compute, per_node: int, host: int
 
     from ..plan.calibrate import calibrate
     from ..plan.measure import Measured, job_input, job_workload, parse_shape
-    from ..plan.predict import HOOKS, synthetic_workload
+    from ..plan.predict import HOOK_SLICE, HOOKS, synthetic_workload
     from ..cost.model import DEFAULT_RANKS
 
     shape = parse_shape(ns.input_shape) if ns.input_shape else None
@@ -191,9 +207,15 @@ def _measure(ns: argparse.Namespace, compute, per_node: int, host: int
             raise ConfigError("--params needs --compute-ms (a training step of one rank's "
                               "batch): without the model there is nothing to measure")
         work = synthetic_workload(int(ns.params), compute, ns.batch)
-        timed = calibrate({"shapes": work.bucket_shapes, "batch": ns.batch}, host,
+        # the hooks timed on a slice of the gradients (alike matrices), never the whole model
+        part = synthetic_workload(min(work.params, HOOK_SLICE), compute, ns.batch)
+        timed = calibrate({"shapes": part.bucket_shapes, "batch": ns.batch}, host,
                           measured.threads, hooks, ns.repeats, False, device, per_node=per_node,
                           min_time_s=ns.min_time)
+        if part.params < work.params:
+            timed = {h: _scaled(t, work.params / part.params) for h, t in timed.items()}
+            work = dataclasses.replace(work, name=f"{work.name}; hooks timed on "
+                                                  f"{part.params:,} of them and scaled")
         return work, dataclasses.replace(measured, hooks=timed)
     from ..job.config import TrainConfig
 

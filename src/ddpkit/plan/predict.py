@@ -4,16 +4,24 @@ and the recommendation.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-from torch import nn
+from ..cost.measure import Workload
+from ..cost.model import (DEFAULT_RANKS, GAIN, LOWRANK_GAIN, Link, StepTime, buckets, lowrank,
+                          step_time)
 
-from ..cost.measure import Workload, workload_of
-from ..cost.model import DEFAULT_RANKS, GAIN, LOWRANK_GAIN, Link, StepTime, lowrank, step_time
+__all__ = ["Row", "synthetic_workload", "predict", "recommend", "HOOKS", "GAIN", "MAX_PARAMS",
+           "HOOK_SLICE"]
 
-__all__ = ["Row", "synthetic_workload", "predict", "recommend", "HOOKS", "GAIN"]
+#: The largest ``--params`` plan models: DDP keeps the whole model, its gradients and optimizer
+#: state on every rank (this many parameters are 800 GB of fp32 weights and gradients alone), and
+#: the prediction walks every bucket (1e12 took 25 s here).
+MAX_PARAMS = 10 ** 11
+#: The parameters whose gradients a model known by its count has its hooks timed on (256 MB of
+#: fp32 a rank); a larger one's hook times are scaled from them (its matrices are all alike).
+HOOK_SLICE = 2 ** 26
 
 #: The hooks compared, in the order of preference when they tie.
 HOOKS = ("none", "bf16", "powersgd", "powersgd-batched")
@@ -27,10 +35,11 @@ def synthetic_workload(params: int, compute_s: float, batch: int) -> Workload:
         synthetic_workload(25_000_000, compute_s=0.3, batch=32)
     """
     matrices, rest = divmod(params, 1024 * 1024)
-    model = nn.ParameterList([nn.Parameter(torch.empty(1024, 1024, device="meta"))
-                              for _ in range(matrices)] +
-                             ([nn.Parameter(torch.empty(rest, device="meta"))] if rest else []))
-    return workload_of(model, compute_s, batch, f"{params:,} parameters as 1024x1024 matrices")
+    shapes = [(1024, 1024)] * matrices + ([(rest,)] if rest else [])  # shapes only: no tensors
+    grouped = tuple(tuple(shapes[i] for i in bucket)
+                    for bucket in buckets([4 * math.prod(s) for s in shapes]))
+    return Workload(f"{params:,} parameters as 1024x1024 matrices", grouped, params, compute_s,
+                    batch)
 
 
 @dataclass(frozen=True)
