@@ -116,6 +116,10 @@ def test_config_error_in_workers_is_one_line_from_rank_0(tmp_path):
     (["plan", "--params", "1e6", "--compute-ms", "inf"], "--compute-ms must be a number > 0"),
     (["verify", "--backend", "glo", "examples/train_ddpkit.py"], "--backend 'glo' is not a backend"),
     (["slurm", "--time", "soon", "train.py"], 'bad --time \'soon\': Slurm takes "minutes", '),
+    (["run", "--nproc", "100000", "examples/train_ddpkit.py"],
+     "--nproc 100000 cannot fit in this node's memory: 100000 workers need at least "),
+    (["train", "--nproc", "100000", "--batch-size", "100000"],
+     "--nproc 100000 cannot fit in this node's memory"),
 ])
 def test_bad_input_gives_one_error_line(args, message, capsys, monkeypatch):
     # In this process (the command's own code from its entry on, without a fresh interpreter and

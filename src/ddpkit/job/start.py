@@ -22,6 +22,7 @@ from ..engines import create as create_engine
 from ..env.detect import detect
 from ..errors import ConfigError
 from ..launchers import horovodrun
+from ..launchers.capacity import check_memory
 from ..launchers.srun import step_task
 from ..launchers.torchrun import RunConfig, run
 from .check import check_config, check_every_world, check_resume, known_train_size
@@ -135,6 +136,8 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None, overwrite: bool 
     cfg = dataclasses.replace(cfg, nproc=1 if one_process else job_nproc(cfg.nproc, gpus))
     if gpus and not inside:
         check_gpu_sharing(cfg.nproc, gpus, cfg.backend)
+    if not inside:  # before the run directory is written (the launcher says the cores' warning)
+        check_memory(cfg.nproc)
     world = detect(os.environ).world_size if inside else cfg.nproc * launch.nnodes
     if launch.elastic and not inside and not cfg.eval_only:  # MIN nodes: same global batch
         check_every_world(cfg, cfg.nproc, launch.min_nodes or 1, launch.nnodes,

@@ -19,7 +19,7 @@ from ..faults.crash import LAUNCHER_PID_VAR
 from ..errors import ConfigError
 from ..env.k8s import pod_launch
 from ..faults.stops import STOP_SIGNALS, signal_name
-from . import elastic, network as net, restarts, srun, stacks, watchdog
+from . import capacity, elastic, network as net, restarts, srun, stacks, watchdog
 from .network import port_in_use
 
 __all__ = ["RunConfig", "run", "torchrun_args", "rendezvous_id", "resolve_nproc", "AGENT_SIGNALS"]
@@ -149,6 +149,10 @@ def _validate(cfg: RunConfig) -> int:
         if port_in_use(host, cfg.master_port):
             raise ConfigError(f"master port {cfg.master_port} on {host} is already in use; "
                               "choose another --master-port, or omit it to pick a free one")
+    capacity.check_memory(nproc)  # this node's workers, before any starts
+    warning = capacity.cores_warning(nproc, torch.cuda.device_count())
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     return nproc
 
 
