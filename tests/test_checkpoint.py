@@ -266,6 +266,10 @@ def test_only_unreadable_checkpoints_is_an_error_not_a_fresh_start(tmp_path, cap
     with pytest.raises(ConfigError, match="none of the 1 checkpoints"):
         find_latest(tmp_path)
     assert capsys.readouterr().err.startswith("warning: checkpoint ")
+    with pytest.raises(ConfigError, match=r"could be loaded \(the newest: checkpoint .* is "
+                                          r"unreadable \(truncated or corrupted\)"):
+        find_latest(tmp_path, quiet=True)   # the launcher's look: the reason in its one line
+    assert capsys.readouterr().err == ""
 
 
 def test_model_mismatch_names_keys_and_shapes():

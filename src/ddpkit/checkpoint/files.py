@@ -275,14 +275,17 @@ def find_latest(directory: PathLike, map_location: Any = None, *,
     """
     directory = Path(directory).expanduser()
     order = resume_order(directory, quiet=quiet)
+    said = []
     for path in order:
         try:
             return path, _with_shards(path, load_checkpoint(path, map_location))
         except ConfigError as exc:
+            said.append(str(exc))
             _warn(f"{exc}; skipping it", quiet)
-    if order:
+    if order:  # quiet: no warning above to point at, so the newest one's reason
+        why = f"the newest: {said[0]}" if quiet else "see the warnings above"
         raise ConfigError(f"none of the {len(order)} checkpoints in {directory} could be loaded "
-                          "(see the warnings above); move them away to start fresh")
+                          f"({why}); move them away to start fresh")
     return None
 
 
