@@ -1,5 +1,5 @@
-"""What a file the safe loader refused asks for: a pickle that names code to import or call (a
-malicious or foreign checkpoint) told apart from a torn or random one, without running it.
+"""What a file the safe loader refused asks for: a pickle naming code to call (a malicious or
+foreign checkpoint) told apart from a torn or random file, without running it.
 
 torch's ``weights_only`` unpickler stops at the first opcode it does not know; for a pickle of
 protocol 4 or 5 that is the framing, before any global is read, so its own message cannot say

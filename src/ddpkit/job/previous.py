@@ -1,6 +1,5 @@
-"""A run directory that already holds a run (its ``results.json``, its checkpoints): a new
-``ddpkit train`` there is refused in one line unless it resumes that run or asks for
-``--overwrite``, which deletes the earlier run's own files first (never anything else there).
+"""A run directory that already holds a run (its ``results.json``, its checkpoints): refused to
+a new ``ddpkit train`` unless it resumes that run or deletes it first (``--overwrite``).
 
 Without this a second run overwrote ``results.json``, appended to ``metrics.jsonl`` and mixed
 its checkpoints with the first run's, so ``--resume auto`` could take either.

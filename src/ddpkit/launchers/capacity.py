@@ -1,7 +1,8 @@
 """Can this node hold ``--nproc`` workers? Its cores and memory, read before any worker starts:
-a refusal with the numbers when they cannot fit in memory, a warning with them when a CPU-only
-run asks for more processes than cores (torchrun starts whatever it is asked for: 64 workers on a
-2-core, 24 GB machine passed 7 GB in 10 s before anything said a word).
+a refusal with the numbers when they cannot fit, a warning when a CPU-only run outnumbers cores.
+
+torchrun starts whatever it is asked for: 64 workers on a 2-core, 24 GB machine passed 7 GB in
+10 s before anything said a word.
 
 A worker is counted at what this launcher holds once torch is imported (its private memory, not
 the shared libraries): a floor, since a worker imports the same and then builds its model and data.
