@@ -1,7 +1,8 @@
 """Launchers: how processes start. ``ddpkit run`` over torchrun's elastic agent
 (:mod:`.torchrun`), a function on N local processes (:mod:`.spawn`), ``horovodrun``
 (:mod:`.horovodrun`), addresses and routes for several nodes (:mod:`.network`), watchdogs around
-the agent (:mod:`.watchdog`) and sbatch scripts for Slurm (:mod:`.sbatch`).
+the agent (:mod:`.watchdog`), the node's room for its workers (:mod:`.capacity`) and sbatch
+scripts for Slurm (:mod:`.sbatch`).
 
 Example::
 
