@@ -7,10 +7,12 @@ which case it was. :func:`code_named` reads the opcodes with :mod:`pickletools`,
 """
 from __future__ import annotations
 
+import contextlib
 import pickletools
+import re
 import zipfile
 from pathlib import Path
-from typing import IO, List, Optional
+from typing import IO, Iterator, List, Optional
 
 __all__ = ["code_named", "refused_line"]
 
@@ -21,6 +23,7 @@ _STRINGS = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_B
             "BINSTRING", "STRING")
 # What torch.save itself names; anything else is what made the safe loader refuse.
 _TORCH_OWN = ("torch.", "collections.OrderedDict", "builtins.set")
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 
 def code_named(path: Path) -> Optional[str]:
@@ -37,7 +40,9 @@ def code_named(path: Path) -> Optional[str]:
             names = _names(stream)
     except (OSError, zipfile.BadZipFile, KeyError, ValueError):
         return None
-    foreign = [n for n in names if not n.startswith(_TORCH_OWN)]
+    # a dotted Python name: bytes of a torn or random file that parse as an opcode by chance
+    # do not read as a request for code
+    foreign = [n for n in names if _DOTTED.fullmatch(n) and not n.startswith(_TORCH_OWN)]
     return foreign[0] if foreign else None
 
 
@@ -53,13 +58,19 @@ def refused_line(path: Path, name: str) -> str:
             "written by save_checkpoint, from a source you trust")
 
 
-def _pickle_stream(path: Path) -> IO[bytes]:
+@contextlib.contextmanager
+def _pickle_stream(path: Path) -> Iterator[IO[bytes]]:
     """The pickle's bytes: the ``data.pkl`` record of a torch.save archive, or the file."""
-    if zipfile.is_zipfile(path):
-        archive = zipfile.ZipFile(path)
-        member = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-        return archive.open(member)
-    return open(path, "rb")
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            yield f
+        return
+    with zipfile.ZipFile(path) as archive:
+        members = [n for n in archive.namelist() if n.endswith("data.pkl")]
+        if not members:
+            raise KeyError("data.pkl")
+        with archive.open(members[0]) as f:
+            yield f
 
 
 def _names(stream: IO[bytes]) -> List[str]:
