@@ -70,7 +70,7 @@ def test_the_machines_figures_are_read(monkeypatch):
     assert capacity.usable_cores() >= 1
     available = capacity.available_memory()
     assert available is None or available > 0
-    assert 10 * MB < capacity.worker_floor() < 4 * GB   # this process, torch imported
+    assert capacity.worker_floor() > 10 * MB   # this process, torch imported
 
 
 def test_ddpkit_train_refuses_before_its_run_directory_is_written(tmp_path, monkeypatch):
