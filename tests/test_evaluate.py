@@ -360,3 +360,16 @@ def test_step_sums_leave_out_outputs_and_targets():
         step_sums({"outputs": y, "targets": y})
     total, count = sum_count((y.sum(), 3), "metrics['x']")
     assert float(total) == 3.0 and int(count) == 3
+
+
+def test_evaluate_draws_nothing_from_the_global_generators_while_it_runs():
+    """Not only restored after it: a DataLoader's iterator draws its base seed as it starts,
+    from the global generator unless it has its own (what a forward or metric saw mid-way)."""
+    seen = []
+    model = regressor()
+    model.register_forward_pre_hook(lambda m, args: seen.append(torch.get_rng_state()))
+    data = TensorDataset(torch.randn(8, 6), torch.randn(8, 1))
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    ddpkit.evaluate(model, data, batch_size=4, resident=False)
+    assert seen and all(torch.equal(before, state) for state in seen)

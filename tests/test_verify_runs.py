@@ -281,3 +281,70 @@ def test_the_loss_calls_record_their_weights_bce_pos_weight_included(monkeypatch
     (ce, n, w, divisor), (bce, m, (weight, pos), _) = calls
     assert (ce, n, divisor) == ("mean", 4, 1.0 + 2.0 + 3.0 + 2.0) and w is not None
     assert (bce, m, weight) == ("mean", 4, None) and pos is not None
+
+
+HELDOUT = os.path.join(ROOT, "tests", "verify_heldout")
+
+
+def _pair(name, *args):
+    """verify on a held-out bug and its fixed twin side by side: (bug's output, fix's)."""
+    runs = [_verify(*args, f"{kind}_{name}.py", cwd=HELDOUT) for kind in ("bug", "fix")]
+    (bug, bug_err), (fix, fix_err) = (run.communicate(timeout=300) for run in runs)
+    assert runs[0].returncode == 1, bug + bug_err
+    assert runs[1].returncode == 0 and "PASS" in fix, fix + fix_err
+    return bug, fix
+
+
+@pytest.mark.slow
+def test_what_an_evaluation_on_rank_0_alone_drew_is_found_in_the_steps_after_it():
+    """Rank 0 alone evaluates with a DataLoader of its own, whose iterator draws a seed from
+    torch's generator; the loop's random crops then differ between the ranks. The steps
+    compared before the evaluation all agree: the two steps recorded after it part, and the
+    ranks' generators, alike until then, name the cause. The twin evaluates on every rank."""
+    bug, fix = _pair("activity_gru_random_crops")
+    assert "FAIL [ranks-differ]" in bug and "random generators, alike after step 10" in bug
+    assert "(an evaluation ran between)" in bug
+    assert "2 step(s) after it compared" in fix
+
+
+@pytest.mark.slow
+def test_a_model_pretrained_on_rank_0_before_wrap_is_not_taken_for_the_training():
+    """The script pretrains an encoder on rank 0 alone (an optimizer of its own, before
+    rt.wrap), then loads it on rank 0 only: its steps are not the training compared (they
+    were, and verify's own end-of-steps collective on rank 0 hung against rank 1's barrier),
+    and the load on one rank is named. The twin loads on every rank and passes."""
+    bug, _ = _pair("dae_pretrain_finetune")
+    assert "FAIL [ranks-differ]: at the first training forward the ranks hold different " \
+           "parameter(s) 'encoder.0.weight'" in bug
+
+
+def test_a_dataset_built_per_rank_is_named_though_the_loaders_indices_agree():
+    """nanoGPT's `manual_seed(seed + rank)` before the data is drawn: every rank holds another
+    dataset. Sample checksums fetched with the generators seeded alike (augmentation too)
+    and put back after; ranks that differ are [ranks-differ] with the sample."""
+    import random as pyrandom
+    from torch.utils.data import Dataset, TensorDataset
+    from ddpkit.verify.compare import compare
+    from ddpkit.verify.probe_loader import dataset_digests
+    from test_verify import _run
+
+    class Augmented(Dataset):
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            return torch.full((2,), float(i)) + torch.randn(2), {"tag": pyrandom.random()}
+
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    digests = dataset_digests(Augmented())
+    assert [d[0] for d in digests] == [0, 2, 4] and digests == dataset_digests(Augmented())
+    assert torch.equal(state, torch.get_rng_state())          # the script's draws untouched
+    torch.manual_seed(1)
+    ours, theirs = (dataset_digests(TensorDataset(torch.randn(6, 2))) for _ in range(2))
+    one, many, again = _run([1.0]), _run([1.0], world=2), _run([1.0])
+    many.loaders = [{"contents": ours}, {"contents": ours}]
+    assert compare(one, many, None, again).passed
+    many.loaders = [{"contents": ours}, {"contents": theirs}]
+    verdict = compare(one, many, None, again)
+    assert verdict.cause == "ranks-differ" and "sample 0 holds other values" in verdict.why

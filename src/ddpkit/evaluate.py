@@ -64,8 +64,11 @@ def _eval_batches(data: Any, batch_size: int, num_workers: int, device: torch.de
     on_device = choose_resident(data, device, resident) if collate_fn is None else None
     if on_device is not None:  # this rank's block gathered on the device, batch by batch
         return resident_batches(on_device, list(sampler), batch_size, False, 0, 0)
+    # A generator of its own: iterating a DataLoader draws its workers' base seed, and from
+    # the global RNG that would shift the training's later draws (dropout, augmentation) by
+    # whether, and on which ranks, an evaluation ran.
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                        collate_fn=collate_fn)
+                        collate_fn=collate_fn, generator=torch.Generator().manual_seed(0))
     loader._ddpkit_owned = True  # type: ignore[attr-defined]
     return loader
 

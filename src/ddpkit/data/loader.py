@@ -402,7 +402,8 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *, accum_ste
                       "batch_per_rank": per_rank, "samples": len(dataset),  # type: ignore
                       "batches": len(loader), "micro_steps": micro,
                       "global_batch": per_rank * env.world_size * micro,
-                      "seed_each_sample": seed_each_sample, "num_workers": num_workers})
+                      "seed_each_sample": seed_each_sample, "num_workers": num_workers},
+                     dataset)
     return loader
 
 

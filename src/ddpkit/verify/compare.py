@@ -122,6 +122,9 @@ def _steps(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord],
     floor, ceiling = bounds(dtypes)
     band = [min(max(MARGIN * max(r, a), floor), ceiling) for r, a in zip(
         order, repeat if not nondeterministic else [0.0] * len(repeat))]
+    # After the first evaluation (past the steps compared, no reordered run to measure the
+    # noise there): only a difference beyond the widest band is evidence.
+    band = [ceiling if s.after_eval else b for s, b in zip(one.steps, band)]
     rows, largest, first, amplified = [], 0.0, None, None
     for i, (a, b) in enumerate(zip(one.steps, many.steps)):
         diff = _difference(a, b)
@@ -132,11 +135,13 @@ def _steps(one: RunRecord, many: RunRecord, reordered: Optional[RunRecord],
         # is the training amplifying rounding, step after step: within that, no evidence.
         noise = MARGIN * max(order[i], repeat[i] if not nondeterministic else 0.0)
         drowned = i > 0 and noise > ceiling and worst <= noise and same_samples is not False
+        drowned = drowned or (a.after_eval and amplified is not None)  # grown further still
         amplified = i if drowned and amplified is None else amplified
         largest = max(largest, worst) if amplified is None else largest
         rows.append({"step": a.step, "samples_equal": same_samples, "loss_1": a.loss,
                      "loss_n": b.loss, "relative": worst, "tolerance": band[i],
                      "verdict": "ok" if ok else "noise" if drowned else "DIVERGES",
+                     "after_eval": a.after_eval,
                      **{f"rel_{k}": v for k, v in diff.items()}})
         if not ok and not drowned and first is None:
             first = i
@@ -161,7 +166,8 @@ def _explain(verdict: Verdict, one: RunRecord, many: RunRecord, again: Optional[
 
     nondeterministic = verdict.nondeterministic
     found = None if nondeterministic else (
-        evidence.no_steps(one, many, steps or len(one.steps)) or evidence.same_samples(many)
+        evidence.no_steps(one, many, steps or len(one.steps)) or
+        evidence.datasets_differ(many) or evidence.same_samples(many)
         or evidence.ranks_differ(many))
     parted = None if nondeterministic or found is not None else evidence.replicas_part(many)
     if parted is not None and (verdict.first_divergent is None or

@@ -156,7 +156,7 @@ def _received(one: RunRecord, many: RunRecord, a: Step, b: Step) -> Optional[Dia
     counts = (f"{len(got_a)} sample(s) on 1 process and {len(got_b)} on {n} "
               f"({', '.join(str(len(r)) for r in b.rows)} per rank)")
     if a.random_loop or b.random_loop:
-        return _loop_randomness(a)
+        return _loop_randomness(a, many)
     if a.samples is not None and b.samples is not None:  # the loader agreed
         return ("data-path", f"step {a.step}: rt.loader handed out the same {len(a.samples)} "
                              f"samples on 1 and {n} processes, but the model's forward received "
@@ -231,7 +231,7 @@ def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step,
                                      f"{many.world_size} ({k_many} each): the accumulation does "
                                      f"not divide each micro-batch's loss by their number")
     if a.random_loop or b.random_loop:
-        return _loop_randomness(a)
+        return _loop_randomness(a, many)
     if b.random_forward:
         return ("model-randomness", f"step {a.step}: the model's forward draws random numbers "
                                     "(a functional dropout, noise), which differ per rank: on N "
@@ -277,13 +277,37 @@ def _loss(one: RunRecord, many: RunRecord, a: Step, b: Step,
                         "in-batch negatives) gives a rank's half batch another value")
 
 
-def _loop_randomness(a: Step) -> Diagnosis:
+def _loop_randomness(a: Step, many: RunRecord) -> Diagnosis:
+    parted = _generators_part(many, a.step)
+    if parted is not None:
+        alike, apart = parted
+        between = " (an evaluation ran between)" if a.after_eval else ""
+        return ("ranks-differ", f"step {a.step}: the training loop draws random numbers between "
+                                "the batch and the forward, and the ranks' random generators, "
+                                f"alike after step {alike}, stand apart after step {apart}"
+                                f"{between}: something drew random numbers on some ranks only "
+                                "(an evaluation or a print under `if rank == 0:`; a DataLoader "
+                                "iterated on one rank draws its seed from torch's generator); "
+                                "draw alike on every rank, or draw the loop's numbers per "
+                                "sample in the dataset (rt.loader(seed_each_sample=True))")
     return ("loop-randomness", f"step {a.step}: the training loop draws random numbers "
                                "between the batch and the forward (noise, mixup, a random "
                                "crop in the loop), and each rank draws its own: draw them "
                                "per sample in the dataset's __getitem__ (rt.loader seeds "
                                "every sample the same on any number of processes under "
                                "verify), or switch them off for the check")
+
+
+def _generators_part(many: RunRecord, upto: int) -> Optional[Tuple[int, int]]:
+    """(last step alike, first step apart) of the ranks' random generators up to step
+    ``upto``, where they stood alike after the first step; else None."""
+    steps = [s for s in many.steps if s.step <= upto and len(s.rngs) > 1 and None not in s.rngs]
+    if not steps or len(set(steps[0].rngs)) > 1:
+        return None
+    for before, after in zip(steps, steps[1:]):
+        if len(set(after.rngs)) > 1:
+            return before.step, after.step
+    return None
 
 
 def _gradients(one: RunRecord, many: RunRecord, a: Step, b: Step,

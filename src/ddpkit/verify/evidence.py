@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .records import RunRecord, Step
 
 __all__ = ["Finding", "step_facts", "repeat_facts", "same_samples", "ranks_differ",
-           "replicas_part", "epoch_samples", "no_steps", "evaluation",
+           "datasets_differ", "replicas_part", "epoch_samples", "no_steps", "evaluation",
            "gradient_collectives", "what_was_compared"]
 
 #: (cause, one sentence, the evidence lines)
@@ -134,6 +134,31 @@ def ranks_differ(many: RunRecord) -> Optional[Finding]:
             f"({len(names)} tensor(s) in all): {fix}; build them the same on every rank (the "
             "same seed), or keep broadcast_buffers=True",
             [f"{kind} {shown}: checksums differ between rank 0 and another rank at step 1"])
+
+
+def datasets_differ(many: RunRecord) -> Optional[Finding]:
+    """The ranks' training datasets (``rt.loader``'s) hold other values at the same index.
+
+    Example::
+
+        datasets_differ(load("v/many"))   # ('ranks-differ', "rt.loader's dataset differs ...")
+    """
+    contents = [loader.get("contents") for loader in many.loaders]
+    if len(contents) < 2 or any(c is None for c in contents):
+        return None
+    parted = [(rank, a[0]) for rank, c in enumerate(contents[1:], 1)
+              for a, b in zip(contents[0], c) if a != b]
+    if not parted:
+        return None
+    rank, index = parted[0]
+    return ("ranks-differ",
+            f"rt.loader's dataset differs between ranks: sample {index} holds other values on "
+            f"rank 0 and rank {rank}: rt.loader splits one dataset over the ranks, so every "
+            "rank must build the same one (data drawn after a seed that includes the rank, a "
+            "file per rank); build it alike on every rank, before any per-rank seeding",
+            [f"rt.loader's dataset, samples {', '.join(str(c[0]) for c in contents[0])} "
+             "(fetched with every generator seeded alike): checksums per rank " +
+             "; ".join(",".join(str(c[1]) for c in rank_c) for rank_c in contents)])
 
 
 def epoch_samples(one: RunRecord, many: RunRecord) -> Optional[str]:
@@ -308,7 +333,7 @@ def what_was_compared(one: RunRecord, many: RunRecord, eval_within: int) -> List
 
         what_was_compared(one, many, 200)   # ['10 optimizer steps', ...]
     """
-    notes = [f"{min(len(one.steps), len(many.steps))} optimizer steps"]
+    notes = [f"{sum(not s.after_eval for s in one.steps[:len(many.steps)])} optimizer steps"]
     if one.steps and one.steps[0].samples is not None:
         notes.append("samples compared by rt.loader's indices and by what the forward received")
     elif any(s.received() for s in one.steps):
@@ -322,6 +347,11 @@ def what_was_compared(one: RunRecord, many: RunRecord, eval_within: int) -> List
         notes.append(f"dropout off for the comparison ({off} layer(s){sdpa})")
     if one.evals and one.evals[0]:
         notes.append(f"first evaluation compared ({len(one.evals[0][0])} samples)")
+        after = [s.step for s, t in zip(one.steps, many.steps) if s.after_eval and t.after_eval]
+        if after:
+            notes.append(f"{len(after)} step(s) after it compared (step {after[0]}"
+                         f"{f' to {after[-1]}' if len(after) > 1 else ''}, within the widest "
+                         "tolerance)")
     elif eval_within:
         notes.append(f"evaluation not compared: none within {len(one.steps) + eval_within} "
                      "steps (--eval-within)")

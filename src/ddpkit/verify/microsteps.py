@@ -8,7 +8,7 @@ Nothing here runs unless the probe (``ddpkit.verify.probe``) installs it for suc
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
@@ -25,8 +25,10 @@ class HoldBack:
         HoldBack(2).install()   # then: opt.step() steps on its 2nd, 4th, ... call
     """
 
-    def __init__(self, accum: int) -> None:
+    def __init__(self, accum: int, trains: Callable[[Any], bool] = lambda optimizer: True
+                 ) -> None:
         self.accum = accum
+        self.trains = trains              # does this optimizer train a model compared?
         self.calls: Dict[int, int] = {}   # id(optimizer) -> its step() calls so far
         self._inside = False              # in a step that happens (ZeRO steps its inner one)
 
@@ -45,7 +47,7 @@ class HoldBack:
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` as the user's loop calls it."""
-        if self._inside:  # an optimizer stepped by another's step that happens
+        if self._inside or not self.trains(optimizer):  # stepped by another's; not compared
             return type(optimizer).step(optimizer, *args, **kwargs)
         self.calls[id(optimizer)] = self.calls.get(id(optimizer), 0) + 1
         if self.calls[id(optimizer)] % self.accum:
@@ -58,7 +60,8 @@ class HoldBack:
 
     def check(self, optimizer: Any) -> None:
         """Refuse an optimizer made before ``ddpkit.setup()``: its steps cannot be held back."""
-        if not self._inside and not getattr(optimizer, "_ddpkit_held", False):
+        if not self._inside and not getattr(optimizer, "_ddpkit_held", False) and \
+                self.trains(optimizer):
             raise ConfigError("verify --accum-steps holds back optimizer steps from "
                               "ddpkit.setup() on: create the optimizer after setup()")
 

@@ -74,6 +74,10 @@ def start(rank: int, world_size: int, environ: Any = None,
     return _ACTIVE
 
 
+#: Optimizer steps recorded after the first evaluation (mid-training): what it changed on some
+#: ranks only (a random generator, a module's mode) shows in them.
+AFTER_EVAL = 2
+
 class Probe(LoaderWatch):
     """One rank's recorder. Example::
 
@@ -85,6 +89,7 @@ class Probe(LoaderWatch):
                  eval_within: int = 0) -> None:
         self.rank, self.world_size, self.steps, self.reverse = rank, world_size, steps, reverse
         self.eval_within = eval_within    # steps to train on to reach the first evaluation
+        self._stop_at: Optional[int] = None  # the last step recorded, once it is known
         self.accum = accum                # micro-batches per optimizer step (one process)
         self._hold: Optional[HoldBack] = None  # accum > 1: optimizer steps held back
         self._loss_scale = 1.0            # GradScaler's factor on the next backward's loss
@@ -106,6 +111,7 @@ class Probe(LoaderWatch):
         self._after_batch: Optional[List[torch.Tensor]] = None  # RNGs as a batch was handed out
         self._dtypes: set = set()         # autocast dtypes seen in a forward
         self._models: List[nn.Module] = []
+        self._training: set = set()       # ids of the optimizers that update them
         self._trained: set = set()        # ids of the models a training forward ran through
         self._rows: List[int] = []        # checksums of the samples this step's forwards got
         self._loss_counts: List[List[Any]] = []  # each loss call: reduction, targets, weight=
@@ -163,7 +169,7 @@ class Probe(LoaderWatch):
 
         torch.utils.data.DataLoader.__iter__ = watched_iter  # type: ignore[method-assign]
         if self.accum > 1:
-            self._hold = HoldBack(self.accum)
+            self._hold = HoldBack(self.accum, self._trains)
             self._hold.install()
         pairs = watch.watch_collectives(self._collective, self._gradients) + \
             watch.watch_losses(lambda *call: self._loss_counts.append(list(call)))
@@ -301,7 +307,21 @@ class Probe(LoaderWatch):
         self._write({**event, "step": self.step, "phase": "eval" if self._eval is not None
                      else "train"})
 
+    def _trains(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Does ``optimizer`` update a model the script wrapped (rt.wrap)? Only its steps
+        are the training compared; another's (a model pretrained before rt.wrap, on rank 0
+        alone, say) are the script's own business, counted on no rank."""
+        if id(optimizer) in self._training:
+            return True
+        wrapped = {id(p) for module in self._models for p in module.parameters()}
+        if any(id(p) in wrapped for group in optimizer.param_groups for p in group["params"]):
+            self._training.add(id(optimizer))
+            return True
+        return False
+
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._trains(optimizer):
+            return
         self._end_evaluation()
         if self._hold is not None:
             self._hold.check(optimizer)
@@ -320,13 +340,17 @@ class Probe(LoaderWatch):
         return f"parameter {index}"
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._trains(optimizer):
+            return
         self.step += 1
         self._evals_at_step, self._rng_at_step = self._evals, watch.rng()
         self._unseen_draws = False
         self._stepped_since_forward = True
-        if self.step <= self.steps:
+        if self.step <= self.steps or self._stop_at is not None:  # the steps, then after eval
             params = [p.detach() for group in optimizer.param_groups for p in group["params"]]
             self._write({"event": "step", "step": self.step, "samples": self._indices,
+                         "after_eval": self.step > self.steps,
+                         "rng": watch.rng_digest(self._rng_at_step),
                          "losses": self._losses,
                          "lr": watch.number(optimizer.param_groups[0].get("lr")),
                          "random_forward": self._random_forward,
@@ -340,23 +364,13 @@ class Probe(LoaderWatch):
         self._indices, self._losses, self._clipped, self._rows = [], [], None, []
         self._loss_counts = []
         self._random_forward = self._random_loop = False
-        if self.step >= self.steps and (self.step >= self.steps + self.eval_within or
-                                        self._evaluated_everywhere(optimizer)):
+        if self.step >= self.steps and self._stop_at is None:
+            if self.step >= self.steps + self.eval_within:
+                self._stop_at = self.step
+            elif watch.any_rank(self._evals, optimizer, self.world_size):  # what the evaluation left behind
+                self._stop_at = self.step + AFTER_EVAL
+        if self._stop_at is not None and self.step >= self._stop_at:
             self._finish()
-
-    def _evaluated_everywhere(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Has some rank ended an evaluation? Asked of every rank at the same step, so all
-        of them stop together (a rank-0-only evaluation included)."""
-        done = torch.tensor([float(self._evals)])
-        import torch.distributed as tdist
-        if tdist.is_available() and tdist.is_initialized() and self.world_size > 1:
-            param = next((p for g in optimizer.param_groups for p in g["params"]), None)
-            device = param.device if param is not None and tdist.get_backend() == "nccl" \
-                else torch.device("cpu")
-            done = done.to(device)
-            reduce = getattr(tdist.all_reduce, "__wrapped__", tdist.all_reduce)
-            reduce(done, op=tdist.ReduceOp.MAX)
-        return float(done) > 0
 
     def _exit(self) -> None:
         """The script ended by itself: what it did without an optimizer step counts too."""

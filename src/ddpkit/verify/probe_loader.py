@@ -14,7 +14,7 @@ import torch
 
 from . import probe_watch as watch
 
-__all__ = ["LoaderWatch", "multiset_hash", "stream_digests"]
+__all__ = ["LoaderWatch", "multiset_hash", "stream_digests", "content_digest", "dataset_digests"]
 
 _MASK = (1 << 64) - 1
 
@@ -52,6 +52,54 @@ def stream_digests() -> Dict[str, int]:
     return out
 
 
+def content_digest(value: Any) -> int:
+    """A CRC-32 of what a sample holds (tensors, arrays, numbers, text, nested in tuples, lists
+    and dicts; an image through NumPy), alike in every process for equal contents.
+
+    Example::
+
+        content_digest((torch.ones(3), 1)) == content_digest((torch.ones(3), 1))   # True
+    """
+    if torch.is_tensor(value):
+        return zlib.crc32(value.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                          .numpy().tobytes()) if value.numel() else 0
+    if isinstance(value, dict):
+        return zlib.crc32(repr([(repr(k), content_digest(v)) for k, v in value.items()]).encode())
+    if isinstance(value, (list, tuple)):
+        return zlib.crc32(repr([content_digest(v) for v in value]).encode())
+    if isinstance(value, (int, float, str, bytes, bool)) or value is None:
+        return zlib.crc32(repr(value).encode())
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        try:
+            return zlib.crc32(numpy.ascontiguousarray(numpy.asarray(value)).tobytes())
+        except Exception:  # noqa: BLE001 - a sample NumPy cannot read: its type alone
+            pass
+    return zlib.crc32(type(value).__name__.encode())
+
+
+def dataset_digests(dataset: Any) -> Optional[List[List[int]]]:
+    """``[index, checksum]`` of the dataset's first, middle and last samples, each fetched with
+    every generator seeded alike and put back after (augmentation draws the same on every
+    rank, and the script's own draws are left as they were); None where a fetch fails.
+
+    Example::
+
+        dataset_digests(TensorDataset(torch.arange(10)))   # [[0, ...], [5, ...], [9, ...]]
+    """
+    from ..seed import preserved_rng, seed_everything
+    try:
+        n = len(dataset)
+        out = []
+        for i in sorted({0, n // 2, n - 1}):
+            with preserved_rng():
+                seed_everything(0)
+                out.append([i, content_digest(dataset[i])])
+        return out
+    except Exception:  # noqa: BLE001 - an iterable or lazy dataset: not compared
+        return None
+
+
 class LoaderWatch:
     """The loader's side of the probe; the probe's constructor sets the state it keeps.
 
@@ -79,9 +127,11 @@ class LoaderWatch:
         first, self._watching_loader = not self._watching_loader, True
         return first
 
-    def loader(self, config: Dict[str, Any]) -> None:
-        """``rt.loader`` says how it was built (seed, shuffle, drop_last, batch)."""
-        self._write({"event": "loader", **config})
+    def loader(self, config: Dict[str, Any], dataset: Any = None) -> None:
+        """``rt.loader`` says how it was built (seed, shuffle, drop_last, batch) and over
+        which dataset (a few samples' checksums: every rank must hold the same one)."""
+        self._write({"event": "loader", **config,
+                     "contents": dataset_digests(dataset) if dataset is not None else None})
 
     def foreign_loader(self) -> None:
         """A DataLoader that is not ``rt.loader``'s was iterated (a sampler of the script's own)."""

@@ -6,7 +6,6 @@ averaged over, and the lines a rank prints. Nothing here runs outside ``ddpkit v
 from __future__ import annotations
 
 import os
-import random
 import sys
 import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -14,10 +13,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .probe_rng import rng, rng_digest, same  # noqa: F401  (watch.rng() in the probe)
+
 __all__ = ["param_sums", "reverse_batch", "ProbeHook", "rebind", "first_tensor", "row_digests",
            "state_digests", "replica_digests", "call_site", "watch_collectives",
-           "watch_losses", "quiet_attention", "PrintTee", "COLLECTIVES", "number", "rng", "same",
-           "autocast_dtype", "norm"]
+           "watch_losses", "quiet_attention", "PrintTee", "COLLECTIVES", "number", "rng", "rng_digest", "same",
+           "autocast_dtype", "norm", "any_rank"]
 
 #: The collectives a script may call itself (DDP's own run in C++ and are not seen here).
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
@@ -297,8 +298,10 @@ def number(value: Any) -> Optional[float]:
 
 
 def param_sums(modules: List[nn.Module]) -> Optional[List[float]]:
-    """Each parameter's sum (float64), as the models stand: whether two runs' models still
-    agree where a line was printed. None for sharded (FSDP) parameters: a rank holds a part.
+    """Each parameter's and floating buffer's sum (float64), as the models stand: whether two
+    runs' models still agree where a line was printed (BatchNorm's running statistics, taken
+    from rank 0's batches alone on N processes, included). None for sharded (FSDP)
+    parameters: a rank holds a part.
 
     Example::
 
@@ -307,33 +310,8 @@ def param_sums(modules: List[nn.Module]) -> Optional[List[float]]:
     params = [p for m in modules for p in m.parameters()]
     if any(hasattr(p, "to_local") for p in params):
         return None
+    params += [b for m in modules for b in m.buffers() if b.is_floating_point()]
     return [float(p.detach().sum(dtype=torch.float64)) for p in params]
-
-
-def rng() -> List[Any]:
-    """Where every generator a script draws from stands: torch's CPU generator, the current
-    GPU's once CUDA is in use (dropout on a GPU draws from that one), and the global ones of
-    Python's ``random`` and of NumPy (as checksums of their states).
-
-    Example::
-
-        before = rng(); noise = np.random.rand(); same(before, rng())   # False
-    """
-    states: List[Any] = [torch.random.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.append(torch.cuda.get_rng_state())
-    states.append(hash(random.getstate()))
-    numpy = sys.modules.get("numpy")  # only where the script (or a library) imported it
-    if numpy is not None:
-        _, keys, pos, *_rest = numpy.random.get_state()
-        states.append((zlib.crc32(keys.tobytes()), int(pos)))
-    return states
-
-
-def same(a: List[Any], b: List[Any]) -> bool:
-    """Whether two :func:`rng` readings are equal: nothing drawn between them."""
-    return len(a) == len(b) and all(
-        torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a, b))
 
 
 def autocast_dtype() -> Optional[str]:
@@ -401,3 +379,23 @@ def rebind(replacements: Dict[Any, Any]) -> None:
             for key, value in list(names.items()):
                 if id(value) in by_id:  # the originals stay alive: ids are theirs
                     names[key] = by_id[id(value)]
+
+
+def any_rank(count: int, optimizer: torch.optim.Optimizer, world_size: int) -> bool:
+    """Is ``count`` above 0 on some rank? Asked of every rank at the same step, so all of
+    them act on the same answer (a rank-0-only evaluation included).
+
+    Example::
+
+        any_rank(evaluations_done, optimizer, world_size)   # True once any rank evaluated
+    """
+    done = torch.tensor([float(count)])
+    import torch.distributed as tdist
+    if tdist.is_available() and tdist.is_initialized() and world_size > 1:
+        param = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        device = param.device if param is not None and tdist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        done = done.to(device)
+        reduce = getattr(tdist.all_reduce, "__wrapped__", tdist.all_reduce)
+        reduce(done, op=tdist.ReduceOp.MAX)
+    return float(done) > 0

@@ -37,6 +37,8 @@ class Step:
     loss_counts: List[List[Any]] = field(default_factory=list)  # per rank: (reduction, targets)
     replicas: List[Dict[str, Any]] = field(default_factory=list)  # per rank: after the step
     rank_losses: List[float] = field(default_factory=list)  # what each rank backpropagated
+    after_eval: bool = False          # recorded after the first evaluation, past the steps
+    rngs: List[Any] = field(default_factory=list)  # per rank: its generators after the step
 
     def received(self) -> List[int]:
         """Every rank's forward inputs together, one checksum per sample, sorted."""
@@ -174,7 +176,8 @@ def _merge(records: List[Dict[str, Any]], ends: List[set]) -> Step:
         rows=[r.get("rows", []) for r in records],
         loss_counts=[r.get("loss_counts", []) for r in records],
         replicas=[r.get("replica", {}) for r in records],
-        rank_losses=[sum(r["losses"]) for r in records])
+        rank_losses=[sum(r["losses"]) for r in records],
+        after_eval=bool(first.get("after_eval")), rngs=[r.get("rng") for r in records])
 
 
 def relative(a: float, b: float) -> float:

@@ -39,7 +39,8 @@ def summary(verdict: Verdict, nproc: int, script: str, accum: int = 1) -> str:
 
         summary(verdict, 2, "train.py")   # 'PASS: train.py computes the same on 2 ...'
     """
-    steps = len(verdict.steps) if verdict.amplified is None else verdict.amplified[0] - 1
+    steps = sum(not row.get("after_eval") for row in verdict.steps) \
+        if verdict.amplified is None else verdict.amplified[0] - 1
     said = [f"  evidence: {line}" for line in verdict.evidence] + \
         [f"  compared: {line}" for line in verdict.notes]
     return "\n".join([*said, _verdict_line(verdict, nproc, script, max(accum, verdict.accum),

@@ -241,6 +241,10 @@ def _checked(script: str, record: RunRecord, steps: int, whole_epoch: bool, npro
     if not record.started:
         raise ConfigError(f"{script} never called ddpkit.setup(): verify watches ddpkit "
                           "scripts; add `rt = ddpkit.setup()` (and rt.wrap, rt.loader) first")
+    if not record.steps and not record.models:
+        raise ConfigError(f"{script} ran to the end without an optimizer step of a model "
+                          "wrapped by rt.wrap: nothing to compare; wrap the model the script "
+                          "trains (model = rt.wrap(model))")
     if not record.steps:
         raise ConfigError(f"{script} ran to the end without an optimizer step: nothing to "
                           "compare; verify a script that trains")
