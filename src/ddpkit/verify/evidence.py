@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
+from .metrics import accumulated
 from .records import RunRecord, Step
 
 __all__ = ["Finding", "step_facts", "repeat_facts", "same_samples", "ranks_differ",
@@ -357,6 +358,10 @@ def what_was_compared(one: RunRecord, many: RunRecord, eval_within: int) -> List
                      "steps (--eval-within)")
     else:
         notes.append("evaluation not compared (--eval-within 0)")
+    if accumulated(one) and one.late_prints and any(one.late_prints):
+        notes.append(f"printed numbers not compared: 1 process accumulated {accumulated(one)} "
+                     "micro-batches a step, so what the loop holds as it prints (its last "
+                     "loss, a running sum) is a micro-batch's")
     notes.extend(augmentation_notes(one, many))
     sites = sorted({c["site"] for rank in many.collectives for c in rank})
     if sites:

@@ -11,7 +11,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from .records import RunRecord
 
-__all__ = ["numbers", "template", "summed_metric", "printed_differs", "printed_notes"]
+__all__ = ["numbers", "template", "summed_metric", "printed_differs", "printed_notes",
+           "accumulated"]
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.(\d+))?(?:[eE][-+]?\d+)?")
 
@@ -152,6 +153,8 @@ def _first_difference(kind: str, one: RunRecord, many: RunRecord, again: Optiona
     lines_one, lines_many = getattr(one, kind), getattr(many, kind)
     if again is None or not lines_one or not lines_many or not again.late_prints:
         return None
+    if accumulated(one):  # the loop's last loss is a micro-batch's: no number of the script's
+        return None
     repeat = dict(_pairs(one.late_prints[0], again.late_prints[0]))
     for line_one, line_many in _pairs(lines_one[0], lines_many[0]):
         line_again = repeat.get(line_one)
@@ -165,6 +168,19 @@ def _first_difference(kind: str, one: RunRecord, many: RunRecord, again: Optiona
             if abs(b - a) > da + db + max(band, 1e-5) * max(abs(a), abs(b)):
                 return line_one.strip(), line_many.strip(), a, b
     return None
+
+
+def accumulated(one: RunRecord) -> int:
+    """The micro-batches a step of the 1-process run accumulated where the script wrote one
+    batch a step (``--accum-steps``, BatchNorm's default): then what its loop holds at a print
+    (the last loss, a running sum) is a micro-batch's, and printed numbers are not compared.
+
+    Example::
+
+        accumulated(one)   # 2
+    """
+    micro = max((loader.get("micro_steps") or 1 for loader in one.loaders), default=1)
+    return micro if micro > 1 else 0
 
 
 def _models_parted(one: RunRecord, many: RunRecord, line_one: str, line_many: str) -> bool:

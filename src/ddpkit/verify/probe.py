@@ -137,6 +137,8 @@ class Probe(LoaderWatch):
 
         def recorded_backward(tensors: Any, grad_tensors: Any = None, *args: Any,
                               **kwargs: Any) -> Any:
+            if not self._models:  # before rt.wrap: a model of the script's own (pretrained)
+                return backward(tensors, grad_tensors, *args, **kwargs)
             if torch.is_tensor(tensors) and tensors.numel() == 1:  # the loss, unscaled
                 self._losses.append(float(tensors.detach()) / self.accum / self._loss_scale)
                 self._loss_scale = 1.0
