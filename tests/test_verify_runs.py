@@ -348,3 +348,36 @@ def test_a_dataset_built_per_rank_is_named_though_the_loaders_indices_agree():
     many.loaders = [{"contents": ours}, {"contents": theirs}]
     verdict = compare(one, many, None, again)
     assert verdict.cause == "ranks-differ" and "sample 0 holds other values" in verdict.why
+
+
+def test_steps_after_the_evaluation_are_held_to_the_widest_band_and_counted_apart():
+    from ddpkit.verify.compare import compare
+    from ddpkit.verify.report import summary
+    from test_verify import _run
+    one, again = _run([1.0, 1.0, 1.0]), _run([1.0, 1.0, 1.0])
+    for run in (one, again):
+        run.steps[2].after_eval = True
+        run.evals = [[[1, 2]]]
+    many = _run([1.0, 1.0, 1.0 + 5e-4], world=2)   # within 1e-3: rounding grown so far in
+    many.steps[2].after_eval, many.evals = True, [[[1]], [[2]]]
+    verdict = compare(one, many, None, again)
+    assert verdict.passed and verdict.steps[2]["tolerance"] == pytest.approx(1e-3)
+    assert "over 2 steps" in summary(verdict, 2, "s.py")
+    assert any(n.startswith("1 step(s) after it compared (step 3") for n in verdict.notes)
+    many.steps[2].loss = 1.1                        # what the evaluation changed shows here
+    assert compare(one, many, None, again).first_divergent == 3
+
+
+def test_printed_numbers_are_not_compared_when_one_process_accumulated():
+    """Under --accum-steps (BatchNorm's default) the loop's last loss is one micro-batch's:
+    a fixed twin printing rt.mean(loss) failed [printed-metric] for that alone."""
+    from ddpkit.verify.compare import compare
+    from test_verify import _run
+    one, many, again = _run([1.0]), _run([1.0], world=2), _run([1.0])
+    one.late_prints = one.eval_prints = again.late_prints = [["epoch 1 loss 1.1021 acc 0.93"]]
+    many.late_prints = many.eval_prints = [["epoch 1 loss 1.0994 acc 0.93"]]
+    assert compare(one, many, None, again).cause == "printed-metric"
+    one.loaders = [{"micro_steps": 2}]
+    verdict = compare(one, many, None, again)
+    assert verdict.passed and any(n.startswith("printed numbers not compared") for n in
+                                  verdict.notes)
