@@ -43,14 +43,25 @@ def steps_of(path: str, default: Optional[int]) -> Optional[int]:
     return int(m.group(1)) if m else default
 
 
+def accum_of(path: str) -> list:
+    """The --accum-steps of the docstring line that names the expected FAIL, as arguments."""
+    m = re.search(r"ddpkit verify [^\n]*--accum-steps (\d+)[^\n]*# FAIL", open(path).read())
+    return ["--accum-steps", m.group(1)] if m else []
+
+
 def run(path: str, steps: int, timeout: float) -> dict:
     steps = steps_of(path, steps)
     with tempfile.NamedTemporaryFile(suffix=".json") as report:
         start = time.monotonic()
-        given = ["--steps", str(steps)] if steps is not None else []
-        proc = subprocess.run([sys.executable, "-m", "ddpkit", "verify", *given,
-                               "--json", report.name, path], capture_output=True, text=True,
-                              timeout=timeout)
+        given = (["--steps", str(steps)] if steps is not None else []) + accum_of(path)
+        m = re.search(r"ddpkit verify [^\n]*--timeout (\d+)", open(path).read())
+        given += ["--timeout", m.group(1)] if m else []  # a planted hang: its own limit
+        try:
+            proc = subprocess.run([sys.executable, "-m", "ddpkit", "verify", *given,
+                                   "--json", report.name, path], capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc = subprocess.CompletedProcess([], -1, "", f"no verdict in {timeout:g} s")
         took = time.monotonic() - start
         data = json.load(open(report.name)) if os.path.getsize(report.name) else {}
     lines = proc.stdout.strip().splitlines()
