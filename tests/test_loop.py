@@ -399,6 +399,29 @@ def test_a_full_disk_under_metrics_jsonl_is_one_warning_and_training_goes_on(tmp
     assert len(warnings) == 1 and "No space left on device" in warnings[0]
 
 
+def test_a_full_disk_under_tensorboard_is_one_warning_and_training_goes_on(tmp_path, capsys):
+    """Issue, third round, row 2: TensorBoard's writer raises ENOSPC from add_scalar, its
+    flush and its close (its writer thread's error, raised again in the training thread)."""
+    pytest.importorskip("torch.utils.tensorboard")
+    import errno
+    import os
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    rt, net = runtime(), model()
+    logger = RunLogger(str(tmp_path), tensorboard=True)
+    writer = logger._tb.file_writer.event_writer
+    writer.add_event = writer.flush = writer.close = full
+    state = fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), rt.loader(data(), 10),
+                epochs=2, logger=logger, log_every=1, progress=False)
+    logger.close()
+    assert state.step == 8 and len(state.history) == 2
+    warnings = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+    assert "tensorboard" in warnings[0]
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") > 8
+
+
 def test_a_full_disk_under_results_json_is_one_line_naming_what_is_safe(tmp_path, capsys):
     # once: "its checkpoints are intact" also for a run that kept none, an empty results.json
     # left behind, and a suggested command that trained again from the start

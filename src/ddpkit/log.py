@@ -82,16 +82,17 @@ class RunLogger:
         try:
             self._file.write(json.dumps(record) + "\n")
         except OSError as exc:  # a full disk: say so once and train on; the checkpoint says more
-            print(f"warning: cannot append to {self._file.name} ({exc.strerror or exc}): "
-                  "metrics are no longer recorded there; training goes on", file=sys.stderr,
-                  flush=True)
+            _cannot_write(self._file.name, exc)
             with contextlib.suppress(OSError):
                 self._file.close()
             self._file = None
         if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            try:
+                for key, value in metrics.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self._tb.add_scalar(key, value, step)
+            except OSError as exc:  # its writer thread's error, raised again here
+                self._drop_tensorboard(exc)
 
     def close(self) -> None:
         """Flush and close the files."""
@@ -100,8 +101,24 @@ class RunLogger:
                 self._file.close()
             self._file = None
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as exc:
+                self._drop_tensorboard(exc)
             self._tb = None
+
+    def _drop_tensorboard(self, exc: OSError) -> None:
+        """Stop writing TensorBoard events after a write failed (a full disk), as for JSONL."""
+        _cannot_write(self._tb.log_dir, exc)
+        with contextlib.suppress(OSError):
+            self._tb.close()
+        self._tb = None
+
+
+def _cannot_write(path: str, exc: OSError) -> None:
+    """One warning for metrics that can no longer be written; training goes on."""
+    print(f"warning: cannot append to {path} ({exc.strerror or exc}): metrics are no longer "
+          "recorded there; training goes on", file=sys.stderr, flush=True)
 
 
 class _Plain:
