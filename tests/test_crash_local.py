@@ -17,11 +17,12 @@ CLEAN = {k: v for k, v in os.environ.items()
 TRACEBACK = "Traceback (most recent call last)"
 
 
-def _run(tmp_path, source):
+def _run(tmp_path, source, *flags):
     script = tmp_path / "fails.py"
     script.write_text(source)
     start = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
+    res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", *flags,
+                          str(script)],
                          capture_output=True, text=True, timeout=120, env=CLEAN)
     assert time.monotonic() - start < 60
     return res
@@ -62,6 +63,27 @@ def test_ranks_that_fail_the_same_way_print_one_traceback(tmp_path):
         assert line in ("rank 0 failed the same way (ValueError: bad value 42 on rank 0)",
                         "rank 1 failed the same way (ValueError: bad value 42 on rank 1)")
     assert "ddpkit run: rank " in res.stderr
+
+
+MISSING = """import ddpkit
+rt = ddpkit.setup()
+def load():
+    return open("no-such-data.csv")
+load()
+"""
+
+
+@pytest.mark.slow
+def test_the_same_error_on_every_rank_is_one_line_and_not_restarted(tmp_path):
+    """Issue, third round, row 14: restarted 3 times, 64 lines; it would only come back."""
+    res = _run(tmp_path, MISSING, "--max-restarts", "3")
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: FileNotFoundError: [Errno 2] No such file or directory: "
+                               "'no-such-data.csv' (at "), lines
+    assert "fails.py:4, in load); every rank failed the same way" in lines[0]
+    assert "not restarted" in lines[0]
 
 
 DIFFERENT = """import ddpkit

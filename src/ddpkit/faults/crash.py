@@ -4,7 +4,6 @@ timeouts named. (Workers that die with their launcher: :mod:`ddpkit.faults.stops
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -18,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import DDPKitError, JobSetupError
+from .alike import EVERY_RANK, failure_digest, said_for_every_rank, where
 from .stops import LAUNCHER_PID_VAR, die_with_launcher, quiet_exit  # noqa: F401 (re-exported)
 
 __all__ = ["install_error_hook", "collective_timeout", "is_peer_failure", "die_with_launcher",
@@ -166,14 +166,14 @@ def _restart_follows() -> bool:
     return False
 
 
-def _record_root_cause(exc: BaseException, text: str) -> None:
+def _record_root_cause(exc: BaseException, text: str, **mark: str) -> None:
     # torchrun's error file, in its own format, names the rank that failed first (see
     # ddpkit.launchers.torchrun.run); ranks that merely lost a peer write none.
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
+        "py_callstack": text, "timestamp": str(int(time.time())), **mark}}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
@@ -273,6 +273,8 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
             _write(f"{prefix}error: {value}\n")
             os._exit(2)
         shared = heartbeat is not None and heartbeat.store is not None
+        if shared and _restart_follows() and _every_rank(heartbeat, rank, value, tb, text):
+            os._exit(1)
         if rank != 0 and not shared:  # with the store, ranks that fail alike agree on one
             time.sleep(delay)
         _record_root_cause(value, text)
@@ -285,23 +287,16 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
 
 _FAILED = "ddpkit/failed/{digest}"   # how many ranks failed with this traceback
 _FAILURES = "ddpkit/failures"         # how many ranks have printed their failure
-# What differs between ranks that hit the same bug: rank numbers, pids, devices, addresses.
-_RANK_SPECIFIC = ((re.compile(r"(rank|pid)[\s=:#_-]{0,2}\d+", re.I), r"\1 N"),
-                  (re.compile(r"(cuda|xpu|mps|gpu|device)[\s=:#_-]{0,2}\d+", re.I), r"\1 N"),
-                  (re.compile(r"0x[0-9a-f]+", re.I), "0x?"),
-                  (re.compile(r"\d{1,3}(\.\d{1,3}){3}(:\d+)?"), "ADDR"))
-
-
-def failure_digest(text: str) -> str:
-    """A digest of a traceback that is the same on every rank that failed the same way.
-
-    Example::
-
-        failure_digest("bad batch on rank 1") == failure_digest("bad batch on rank 0")   # True
-    """
-    for pattern, replacement in _RANK_SPECIFIC:
-        text = pattern.sub(replacement, text)
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
+def _every_rank(heartbeat: Any, rank: int, value: BaseException, tb: Any, text: str) -> bool:
+    """An error every rank raised alike, said once in one line; marked so that ``ddpkit run``
+    does not restart it (:mod:`ddpkit.launchers.restarts`)."""
+    line = (f"error: {type(value).__name__}: {_gist(str(value))} (at {where(tb)}); every rank "
+            "failed the same way, so it was not restarted (it would only come back): fix it, "
+            "then run the same command again\n")
+    if not said_for_every_rank(heartbeat.store, heartbeat.world_size, rank, line, text):
+        return False
+    _record_root_cause(value, text, ddpkit=EVERY_RANK)
+    return True
 
 
 def _print_once(heartbeat: Any, rank: int, value: BaseException, text: str,

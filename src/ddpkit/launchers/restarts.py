@@ -10,6 +10,7 @@ import signal
 import sys
 from typing import Any, Iterator, Optional, Tuple
 
+from ..faults.alike import EVERY_RANK
 from ..faults.crash import PEER_LOSS_SUFFIX
 from ..faults.stops import STOP_SIGNALS, signal_name
 
@@ -35,13 +36,18 @@ def how(failure: Any, restarting: bool = False) -> str:
 
 def said_in_one_line(failure: Any) -> bool:
     """Whether the failed rank's own ``error:`` line already says everything: a ddpkit error
-    (exit code 2, recorded in torchrun's error file) needs no second line from the launcher.
+    (exit code 2, recorded in torchrun's error file), or an error every rank raised alike
+    (marked there by :mod:`ddpkit.faults.alike`), needs no second line and no restart.
 
     Example::
 
         if not said_in_one_line(failure): print(f"ddpkit run: rank 0 failed ({how(failure)})")
     """
-    return failure.exitcode == 2 and isinstance(failure.error_file_data.get("message"), dict)
+    message = failure.error_file_data.get("message")
+    if not isinstance(message, dict):
+        return False
+    extra = message.get("extraInfo")
+    return failure.exitcode == 2 or (isinstance(extra, dict) and extra.get("ddpkit") == EVERY_RANK)
 
 
 def first_failure(failures: dict) -> Tuple[int, Any]:
@@ -116,8 +122,8 @@ def naming_restarts() -> Iterator[None]:
     """While the agent runs: one line each time it restarts the group after a failure, naming
     the rank and how it failed (the agent restarts silently with its logs quiet). The agent
     does not hand the failure to its restart, so its last observation is kept on the agent.
-    A rank's ddpkit error (one ``error:`` line, exit code 2: bad input) is not restarted: it
-    would only be printed again."""
+    A rank's ddpkit error (one ``error:`` line, exit code 2: bad input), or an error every rank
+    raised alike, is not restarted: it would only be printed again."""
     try:
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
