@@ -135,6 +135,22 @@ def test_a_rank_that_raises_mid_training_leaves_only_whole_lines(tmp_path):
             assert stopped["why"].endswith(".") and "pair.cc" not in line, line
 
 
+@pytest.mark.slow
+def test_a_rank_that_exits_with_0_mid_training_is_named_not_the_peer_it_left(tmp_path):
+    """Issue, third round, row 12: os._exit(0) on rank 0 was reported as rank 1 failing."""
+    source = MID_TRAINING.replace("if rt.rank == 1 and step == 20:\n        raise RuntimeError("
+                                  "\"bad batch in step 20\")",
+                                  "if rt.rank == 0 and step == 20:\n        import os; os._exit(0)")
+    res = _run(tmp_path, source)
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.splitlines()
+    assert lines[-1] == ("ddpkit run: rank 0 exited (code 0) before the job ended; rank 1 then "
+                         "failed waiting for it (an early return, sys.exit or os._exit on one "
+                         "rank: every rank must run to the end)"), res.stderr
+    for line in lines[:-1]:  # rank 1's own line, unless the launcher stopped it first
+        assert STOPPED.fullmatch(line.removeprefix("[rank 1] ")), res.stderr
+
+
 def test_the_peers_line_keeps_whole_sentences_of_the_error(tmp_path):
     """The message gloo gives a rank whose peer died, through the hook (no process group)."""
     script = tmp_path / "peer.py"

@@ -14,7 +14,7 @@ from ..faults.alike import EVERY_RANK
 from ..faults.crash import PEER_LOSS_SUFFIX
 from ..faults.stops import STOP_SIGNALS, signal_name
 
-__all__ = ["how", "said_in_one_line", "first_failure", "naming_restarts"]
+__all__ = ["how", "said_in_one_line", "first_failure", "left_early", "naming_restarts"]
 
 
 def how(failure: Any, restarting: bool = False) -> str:
@@ -64,6 +64,30 @@ def first_failure(failures: dict) -> Tuple[int, Any]:
     return min(failures.items(), key=order)  # min keeps the first of equals
 
 
+def left_early(agent: Any, group: Any, failures: dict) -> Optional[str]:
+    """``rank 0 exited (code 0) before the job ended; rank 1 then failed waiting for it ...``
+    when this node's ranks that failed recorded no error of their own (they lost a peer) and a
+    rank had left with exit code 0 (torchrun counts that a success); else None.
+
+    Example::
+
+        left_early(agent, group, {1: failure})   # 'rank 0 exited (code 0) before the job ...'
+    """
+    if not failures or any(isinstance(f.error_file_data.get("message"), dict)
+                           for f in failures.values()):
+        return None  # a rank failed of its own: its error is the cause
+    handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None) or {}
+    left = sorted(group.workers[local].global_rank for local, handler in handlers.items()
+                  if handler.proc.poll() == 0)
+    if not left:
+        return None
+    def ranks(numbers: Any) -> str:
+        return ", ".join(f"rank {r}" for r in sorted(numbers))
+    return (f"{ranks(left)} exited (code 0) before the job ended; {ranks(failures)} then failed "
+            "waiting for it (an early return, sys.exit or os._exit on one rank: every rank must "
+            "run to the end)")
+
+
 def _say_restart(agent: Any, group: Any, failed: Any) -> None:
     seen = getattr(agent, "_ddpkit_seen", None)
     if seen is not None and seen.state != failed and group.group_rank == 0:
@@ -79,8 +103,9 @@ def _say_restart(agent: Any, group: Any, failed: Any) -> None:
     count = f" (restart {most - left} of {most})" if isinstance(left, int) else ""
     what = (_peer_loss(failure, _error_file(agent, failure)) or _stopped_with_group(failure)
             or f"failed ({how(failure, restarting=True)})")
-    print(f"ddpkit run: rank {rank} {what}; restarting every rank{count}", file=sys.stderr,
-          flush=True)
+    early = getattr(agent, "_ddpkit_left_early", None)
+    said = early or f"rank {rank} {what}"
+    print(f"ddpkit run: {said}; restarting every rank{count}", file=sys.stderr, flush=True)
 
 
 def _stopped_with_group(failure: Any) -> Optional[str]:
@@ -118,22 +143,28 @@ def _peer_loss(failure: Any, error_file: Optional[str]) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def naming_restarts() -> Iterator[None]:
+def naming_restarts() -> Iterator[dict]:
     """While the agent runs: one line each time it restarts the group after a failure, naming
     the rank and how it failed (the agent restarts silently with its logs quiet). The agent
     does not hand the failure to its restart, so its last observation is kept on the agent.
     A rank's ddpkit error (one ``error:`` line, exit code 2: bad input), or an error every rank
-    raised alike, is not restarted: it would only be printed again."""
+    raised alike, is not restarted: it would only be printed again. Yields a dict whose
+    ``"left_early"`` is the last failure's :func:`left_early` line (or None)."""
+    said: dict = {"left_early": None}
     try:
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
         monitor, restart = LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers
     except (ImportError, AttributeError):  # another torch: restarts just go unnamed
-        yield
+        yield said
         return
 
     def monitored(agent: Any, group: Any) -> Any:
         agent._ddpkit_seen = seen = monitor(agent, group)
+        if seen.state == WorkerState.FAILED:
+            with contextlib.suppress(Exception):  # naming it must never stop the agent
+                said["left_early"] = agent._ddpkit_left_early = left_early(
+                    agent, group, seen.failures or {})
         if seen.state == WorkerState.FAILED and any(
                 said_in_one_line(f) for f in (seen.failures or {}).values()):
             agent._remaining_restarts = 0  # a ddpkit error (bad input) would only come back
@@ -146,6 +177,6 @@ def naming_restarts() -> Iterator[None]:
 
     LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers = monitored, restarted
     try:
-        yield
+        yield said
     finally:
         LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers = monitor, restart

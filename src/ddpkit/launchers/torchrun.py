@@ -325,7 +325,7 @@ def run(cfg: RunConfig) -> int:
                     else contextlib.nullcontext())
         stranded = elastic.counting_stranded_nodes() if cfg.elastic else contextlib.nullcontext()
         own = cfg.module and cfg.script.startswith("ddpkit.")  # ddpkit's own workers
-        with _guard(cfg, plan.is_host), restarts.naming_restarts(), tracking as members, \
+        with _guard(cfg, plan.is_host), restarts.naming_restarts() as said, tracking as members, \
                 stranded, watchdog.ending_stopped_workers(), \
                 watchdog.holding_early_interrupts(own):
             torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
@@ -342,8 +342,8 @@ def run(cfg: RunConfig) -> int:
         rank, failure = _root_cause(exc)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         if not restarts.said_in_one_line(failure):  # else its `error:` line says it all
-            print(f"ddpkit run: rank {rank} failed ({restarts.how(failure)})", flush=True,
-                  file=sys.stderr)
+            what = said["left_early"] or f"rank {rank} failed ({restarts.how(failure)})"
+            print(f"ddpkit run: {what}", flush=True, file=sys.stderr)
         return code
     except Exception as exc:
         if cfg.nnodes <= 1:
