@@ -151,6 +151,19 @@ def test_a_rank_that_exits_with_0_mid_training_is_named_not_the_peer_it_left(tmp
         assert STOPPED.fullmatch(line.removeprefix("[rank 1] ")), res.stderr
 
 
+@pytest.mark.slow
+def test_restarts_used_up_end_with_the_command_that_resumes(tmp_path):
+    """Issue, third round, row 13: the last line gave no resume command."""
+    source = MID_TRAINING.replace("step == 20", "step == 2")
+    res = _run(tmp_path, source, "--max-restarts", "1")
+    assert res.returncode == 1, res.stderr
+    last = res.stderr.splitlines()[-1]
+    assert last.startswith("ddpkit run: rank 1 failed (exit code 1; its error is printed above) "
+                           "after 1 restart (--max-restarts 1, all used); "), last
+    assert last.endswith(f"run the same command again: `ddpkit run --nproc 2 --max-restarts 1 "
+                         f"{tmp_path / 'fails.py'}`"), last
+
+
 def test_the_peers_line_keeps_whole_sentences_of_the_error(tmp_path):
     """The message gloo gives a rank whose peer died, through the hook (no process group)."""
     script = tmp_path / "peer.py"

@@ -80,3 +80,25 @@ def test_sigabrt_points_at_what_the_rank_printed():
     said = how(_failure(-signal.SIGABRT))
     assert "its own message, if it printed one, is above" in said
     assert "collective mismatch" in said and "killed from outside" not in said
+
+
+@pytest.mark.slow
+def test_restarts_used_up_end_with_the_command_that_resumes(tmp_path):
+    """Issue, third round, row 13: the last line of ddpkit train gave no resume command."""
+    job = Job(tmp_path / "run", "--max-restarts", "1")
+    _wait_for_checkpoint(job)
+    first = _workers(job.out)[1]
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while _workers(job.out).get(1, first) == first:  # the restarted group's rank 1
+        assert job.proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(_workers(job.out)[1], signal.SIGKILL)
+    out, err = job.proc.communicate(timeout=120)
+    assert job.proc.returncode == 1, err[-3000:]
+    last = err.splitlines()[-1]
+    assert re.fullmatch(
+        r"ddpkit run: rank 1 failed \(killed by SIGKILL; .*\) after 1 restart \(--max-restarts 1, "
+        r"all used\); last checkpoint \S+/ckpt-\d+\.pt: continue with `ddpkit train --config "
+        + re.escape(os.path.join(job.out, "config.json")) + r" --resume auto`", last), last
+    assert not _left_behind(job.out)

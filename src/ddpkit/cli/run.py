@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shlex
+import sys
 
 from .flags import (add_launch_flags, add_stall_flag, pass_backend, pass_stall_after,
                     pass_timeout, run_config)
@@ -47,4 +50,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     pass_backend(ns.backend)
     pass_timeout(ns.timeout)
     pass_stall_after(ns.stall_after)
-    return run(run_config(ns, ns.script, ns.script_args, nproc=ns.nproc, module=ns.module))
+    cfg = run_config(ns, ns.script, ns.script_args, nproc=ns.nproc, module=ns.module)
+    return run(dataclasses.replace(cfg, on_give_up=_run_again))
+
+
+def _run_again() -> str:
+    """How a script resumes once ``--max-restarts`` are used up: this very command again."""
+    command = shlex.join(["ddpkit", *sys.argv[1:]])
+    return ("; a script that keeps checkpoints (rt.checkpointer(..., resume=\"auto\")) resumes "
+            f"from its latest when you run the same command again: `{command}`")

@@ -172,13 +172,15 @@ def _launch(cfg: TrainConfig, launch: RunConfig, inside: bool, path: str) -> int
                               f"train`; for several hosts run `horovodrun -H ... python -m {WORKER} "
                               f"{path}` yourself")
         return horovodrun.run(cfg.nproc, [sys.executable, "-m", WORKER, path])
+    hint = None if cfg.eval_only else lambda: resume_hint(cfg, path)
+    stop = None if hint is None else lambda signum: hint()
     return run(dataclasses.replace(launch, script=WORKER, module=True, script_args=[path],
-                                   nproc=cfg.nproc, on_stop=None if cfg.eval_only else
-                                   lambda signum: resume_hint(cfg, path)))
+                                   nproc=cfg.nproc, on_stop=stop, on_give_up=hint))
 
 
 def resume_hint(cfg: TrainConfig, config_path: str) -> str:
-    """After a stop: where the newest checkpoint is and the command that continues the run.
+    """After a stop, or once the restarts are used up: where the newest checkpoint is and the
+    command that continues the run.
 
     Example::
 

@@ -8,13 +8,14 @@ import contextlib
 import json
 import signal
 import sys
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 from ..faults.alike import EVERY_RANK
 from ..faults.crash import PEER_LOSS_SUFFIX
 from ..faults.stops import STOP_SIGNALS, signal_name
 
-__all__ = ["how", "said_in_one_line", "first_failure", "left_early", "naming_restarts"]
+__all__ = ["how", "said_in_one_line", "first_failure", "left_early", "used_up",
+           "naming_restarts"]
 
 
 def how(failure: Any, restarting: bool = False) -> str:
@@ -86,6 +87,20 @@ def left_early(agent: Any, group: Any, failures: dict) -> Optional[str]:
     return (f"{ranks(left)} exited (code 0) before the job ended; {ranks(failures)} then failed "
             "waiting for it (an early return, sys.exit or os._exit on one rank: every rank must "
             "run to the end)")
+
+
+def used_up(count: int, note: Optional[Callable[[], str]] = None) -> str:
+    """For the last line of a job that failed after ``count`` restarts (none: ""): that they are
+    used up, then ``note()``, how to continue (the command that resumes).
+
+    Example::
+
+        used_up(1)   # ' after 1 restart (--max-restarts 1, all used)'
+    """
+    if count <= 0:
+        return ""
+    said = f" after {count} restart{'s' if count > 1 else ''} (--max-restarts {count}, all used)"
+    return said + (note() if note is not None else "")
 
 
 def _say_restart(agent: Any, group: Any, failed: Any) -> None:

@@ -89,6 +89,8 @@ class RunConfig:
     #: After a stop (SIGINT, SIGTERM, SIGUSR1): text appended to the one line printed, e.g.
     #: where the last checkpoint is (``ddpkit train`` sets it).
     on_stop: Optional[Callable[[int], str]] = None
+    #: Once the restarts are used up: text appended to the last line, how to continue.
+    on_give_up: Optional[Callable[[], str]] = None
 
     @property
     def elastic(self) -> bool:
@@ -343,7 +345,8 @@ def run(cfg: RunConfig) -> int:
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         if not restarts.said_in_one_line(failure):  # else its `error:` line says it all
             what = said["left_early"] or f"rank {rank} failed ({restarts.how(failure)})"
-            print(f"ddpkit run: {what}", flush=True, file=sys.stderr)
+            print(f"ddpkit run: {what}{restarts.used_up(cfg.restarts, cfg.on_give_up)}",
+                  flush=True, file=sys.stderr)
         return code
     except Exception as exc:
         if cfg.nnodes <= 1:
