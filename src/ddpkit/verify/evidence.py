@@ -358,8 +358,9 @@ def what_was_compared(one: RunRecord, many: RunRecord, eval_within: int) -> List
                      "steps (--eval-within)")
     else:
         notes.append("evaluation not compared (--eval-within 0)")
-    if accumulated(one) and one.late_prints and any(one.late_prints):
-        notes.append(f"printed numbers not compared: 1 process accumulated {accumulated(one)} "
+    micro = accumulated(one)
+    if micro and any(one.late_prints):
+        notes.append(f"printed numbers not compared: 1 process accumulated {micro} "
                      "micro-batches a step, so what the loop holds as it prints (its last "
                      "loss, a running sum) is a micro-batch's")
     notes.extend(augmentation_notes(one, many))

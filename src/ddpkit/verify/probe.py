@@ -78,6 +78,7 @@ def start(rank: int, world_size: int, environ: Any = None,
 #: ranks only (a random generator, a module's mode) shows in them.
 AFTER_EVAL = 2
 
+
 class Probe(LoaderWatch):
     """One rank's recorder. Example::
 
@@ -111,7 +112,7 @@ class Probe(LoaderWatch):
         self._after_batch: Optional[List[torch.Tensor]] = None  # RNGs as a batch was handed out
         self._dtypes: set = set()         # autocast dtypes seen in a forward
         self._models: List[nn.Module] = []
-        self._training: set = set()       # ids of the optimizers that update them
+        self._training: Dict[int, Tuple[int, bool]] = {}  # id(optimizer) -> (models, updates)
         self._trained: set = set()        # ids of the models a training forward ran through
         self._rows: List[int] = []        # checksums of the samples this step's forwards got
         self._loss_counts: List[List[Any]] = []  # each loss call: reduction, targets, weight=
@@ -313,13 +314,12 @@ class Probe(LoaderWatch):
         """Does ``optimizer`` update a model the script wrapped (rt.wrap)? Only its steps
         are the training compared; another's (a model pretrained before rt.wrap, on rank 0
         alone, say) are the script's own business, counted on no rank."""
-        if id(optimizer) in self._training:
-            return True
-        wrapped = {id(p) for module in self._models for p in module.parameters()}
-        if any(id(p) in wrapped for group in optimizer.param_groups for p in group["params"]):
-            self._training.add(id(optimizer))
-            return True
-        return False
+        models, known = self._training.get(id(optimizer), (-1, False))
+        if models != len(self._models):  # asked again only once another model is wrapped
+            wrapped = {id(p) for module in self._models for p in module.parameters()}
+            known = any(id(p) in wrapped for g in optimizer.param_groups for p in g["params"])
+            self._training[id(optimizer)] = (len(self._models), known)
+        return known
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._trains(optimizer):
@@ -369,7 +369,7 @@ class Probe(LoaderWatch):
         if self.step >= self.steps and self._stop_at is None:
             if self.step >= self.steps + self.eval_within:
                 self._stop_at = self.step
-            elif watch.any_rank(self._evals, optimizer, self.world_size):  # what the evaluation left behind
+            elif watch.any_rank(self._evals, optimizer, self.world_size):  # what it left
                 self._stop_at = self.step + AFTER_EVAL
         if self._stop_at is not None and self.step >= self._stop_at:
             self._finish()

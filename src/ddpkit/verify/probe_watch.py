@@ -17,8 +17,8 @@ from .probe_rng import rng, rng_digest, same  # noqa: F401  (watch.rng() in the 
 
 __all__ = ["param_sums", "reverse_batch", "ProbeHook", "rebind", "first_tensor", "row_digests",
            "state_digests", "replica_digests", "call_site", "watch_collectives",
-           "watch_losses", "quiet_attention", "PrintTee", "COLLECTIVES", "number", "rng", "rng_digest", "same",
-           "autocast_dtype", "norm", "any_rank"]
+           "watch_losses", "quiet_attention", "PrintTee", "COLLECTIVES", "number", "rng",
+           "rng_digest", "same", "autocast_dtype", "norm", "any_rank"]
 
 #: The collectives a script may call itself (DDP's own run in C++ and are not seen here).
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
