@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/ddpkit train --output runs/demo
+	$(BIN)/ddpkit train --output runs/demo --overwrite
 
 # Installs Slurm for its tests (root + apt-get), then the layering contracts (pyproject.toml,
 # import-linter), then the whole suite, multi-node and real-Slurm tests included (they need root and `ip netns`; without them they
