@@ -9,7 +9,8 @@ wait, but the rank is busy): ``eval`` (rank ``--rank`` evaluates alone, in its o
 ``--seconds``), ``save`` (a checkpoint save through ddpkit whose write takes ``--seconds``),
 ``loader`` (a DataLoader whose worker takes ``--seconds`` to start),
 ``straggler`` (every step of ``--rank`` takes 3x as long), ``compile`` (``--rank`` compiles
-its model with ``torch.compile``: its first step takes long).
+its model with ``torch.compile``: its first step takes long). And ``alone``: ``--rank`` runs a
+collective (an evaluation) that the others skip, as under ``if rt.is_main:``: every rank waits.
 
 Prints ``fault at <time.time()>`` the moment the fault begins (flushed), then ``done`` at the
 end of a run that finishes.
@@ -100,6 +101,12 @@ def main() -> None:
         if step == args.at:
             if args.fault == "save":
                 slow_save(ckpt, args.seconds if rt.rank == args.rank else 0.0)
+            elif args.fault == "alone":   # a collective on one rank only: never completes
+                if rt.rank == args.rank:
+                    print(f"fault at {time.time():.3f}", flush=True)
+                    rt.evaluate(model, torch.utils.data.TensorDataset(
+                        torch.randn(16, 32), torch.randint(0, 4, (16,))), batch_size=8)
+                rt.barrier()
             elif rt.rank == args.rank:
                 fault(args.fault, args.seconds, args.out)
             if args.fault in ("eval", "loader"):

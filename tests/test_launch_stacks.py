@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from ddpkit.faults import stall
+from ddpkit.faults.watch_store import store_prefix, watch_store
 from ddpkit.launchers import watchdog
 from ddpkit.launchers.stacks import StackAnswers, worker_environments
 
@@ -46,7 +47,7 @@ def test_a_launcher_reads_the_stack_of_its_stopped_worker_when_asked(tmp_path):
         # what the rank reporting it on another node writes: its own pid is not this
         # launcher's worker (not answered), the stopped one is
         # the worker's side: its process group's store under torchrun's agent store
-        watch = stall.watch_store(dist.PrefixStore("/worker/attempt_1", store), env)
+        watch = watch_store(dist.PrefixStore("/worker/attempt_1", store), env)
         here = socket.gethostname()
         watch.set(stall._STACK_ASK.format(rank=1), json.dumps({"host": here, "pid": os.getpid()}))
         watch.set(stall._STACK_ASK.format(rank=2), json.dumps({"host": here, "pid": proc.pid}))
@@ -64,11 +65,11 @@ def test_a_launcher_reads_the_stack_of_its_stopped_worker_when_asked(tmp_path):
 def test_the_watch_keys_are_one_per_job_and_per_attempt_only_where_the_store_outlives_one():
     job = {"TORCHELASTIC_RUN_ID": "job"}
     # a fresh store each round (ddpkit run on several nodes): the nodes' counts may differ
-    assert stall.store_prefix({**job, "TORCHELASTIC_RESTART_COUNT": "1"}) == \
-        stall.store_prefix({**job, "TORCHELASTIC_RESTART_COUNT": "0"})
+    assert store_prefix({**job, "TORCHELASTIC_RESTART_COUNT": "1"}) == \
+        store_prefix({**job, "TORCHELASTIC_RESTART_COUNT": "0"})
     shared = {**job, "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    assert stall.store_prefix({**shared, "TORCHELASTIC_RESTART_COUNT": "1"}) != \
-        stall.store_prefix({**shared, "TORCHELASTIC_RESTART_COUNT": "0"})
+    assert store_prefix({**shared, "TORCHELASTIC_RESTART_COUNT": "1"}) != \
+        store_prefix({**shared, "TORCHELASTIC_RESTART_COUNT": "0"})
 
 
 def test_a_rank_that_cannot_read_a_stack_leaves_the_answer_to_one_that_can():
@@ -103,7 +104,7 @@ def test_a_launcher_whose_workers_store_goes_with_them_prints_nothing(tmp_path, 
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        mine = dist.PrefixStore(stall.store_prefix(env),
+        mine = dist.PrefixStore(store_prefix(env),
                                 dist.TCPStore("127.0.0.1", port, is_master=False))
         with StackAnswers(interval=0.05):
             deadline = time.monotonic() + 30

@@ -3,6 +3,7 @@ alarm for work that keeps the others waiting: real 2-process jobs of tests/stall
 `ddpkit run`, each line timed against the moment the fault began."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from ddpkit.faults import stall
+from ddpkit.faults import launcher_watch, stall
 from ddpkit.faults.hangs import Heartbeat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,7 +22,8 @@ CLEAN = {k: v for k, v in os.environ.items()
                       stall.AFTER_VAR, stall.STRAGGLER_VAR)}
 
 
-def run_job(tmp_path, fault, rank=1, flags=(), env=None, timeout_s=15, script_args=()):
+def run_job(tmp_path, fault, rank=1, flags=(), env=None, timeout_s=15, script_args=(),
+            on_line=lambda proc, line: None):
     """Run the job; return (exit code, [(seconds since the fault began, line)], all text)."""
     cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "--timeout", str(timeout_s),
            *flags, os.path.join(HERE, "stall_script.py"), "--fault", fault, "--rank", str(rank),
@@ -29,8 +31,13 @@ def run_job(tmp_path, fault, rank=1, flags=(), env=None, timeout_s=15, script_ar
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**CLEAN, **(env or {})}, cwd=str(tmp_path))
     lines = []
-    reader = threading.Thread(target=lambda: lines.extend(
-        (time.time(), line.rstrip("\n")) for line in proc.stdout))
+
+    def read():
+        for line in proc.stdout:
+            lines.append((time.time(), line.rstrip("\n")))
+            on_line(proc, line)
+
+    reader = threading.Thread(target=read)
     reader.start()
     try:
         code = proc.wait(timeout=150)
@@ -56,7 +63,7 @@ def test_a_stuck_rank_is_named_with_its_stack_within_10_s(tmp_path, fault, how):
     assert seconds < 10, (seconds, text)
     assert line.startswith("ddpkit: rank 1 (pid ") and f" on {os.uname().nodename}," in line
     assert how in line and "rank 0 (at step 30)" in line, line
-    assert ("step recorded" if fault == "stop" else "last finished step 30") in line, line
+    assert ("after step 30" if fault == "stop" else "last finished step 30") in line, line
     after = text.split(line, 1)[1].strip().splitlines()
     assert after[0].strip().startswith("fault (stall_script.py:"), text   # the stack, innermost
     assert "the job keeps waiting" in text
@@ -64,6 +71,79 @@ def test_a_stuck_rank_is_named_with_its_stack_within_10_s(tmp_path, fault, how):
     ended = [t for t, line in timed if "timed out after 15 s" in line]
     assert ended and ended[0] > 14, text
     assert code == 1
+
+
+@pytest.mark.slow
+def test_a_collective_one_rank_runs_alone_is_named_as_a_mismatch_within_10_s(tmp_path):
+    # rt.evaluate under `if rt.is_main:`, then a barrier: every rank waits, none is stuck;
+    # before, nothing was said until the collective timeout
+    code, timed, text = run_job(tmp_path, "alone", rank=0)
+    named = [(t, line) for t, line in timed if "but not in the same one" in line]
+    assert len(named) == 1 and named[0][0] < 10 and " is stuck: " not in text, text
+    line = named[0][1]
+    assert "rank 0 (at step 30) in all_reduce at stall_script.py:" in line and \
+        "via ddpkit.runtime.evaluate" in line, line
+    assert "rank 1 (at step 30) in barrier at stall_script.py:" in line, line
+    assert code == 1 and "timed out after 15 s" in text, text
+
+
+@pytest.mark.slow
+def test_a_stopped_launcher_is_named_by_its_ranks_and_the_job_goes_on_when_it_runs(tmp_path):
+    # ddpkit run SIGSTOPped: it holds the job's store, so the ranks waited in silence
+    launcher = []
+
+    def stop_the_launcher_at_the_fault(proc, line):   # step 30: stopped for 9 s
+        if line.startswith("fault at"):
+            launcher.append(proc.pid)
+            os.kill(proc.pid, signal.SIGSTOP)
+            threading.Timer(9.0, os.kill, (proc.pid, signal.SIGCONT)).start()
+
+    code, timed, text = run_job(tmp_path, "none", script_args=["--steps", "200"],
+                                on_line=stop_the_launcher_at_the_fault)
+    pid = launcher[0]
+    named = [t for t, line in timed
+             if line.startswith(f"ddpkit: this node's launcher (ddpkit run, pid {pid} on ")]
+    assert len(named) == 1 and named[0] < 9, text    # named while it was still stopped
+    assert f"continue it with `kill -CONT {pid}`" in text, text
+    assert f"ddpkit: the launcher (pid {pid}) runs again, after " in text, text
+    assert code == 0 and text.count("done") == 2, text
+
+
+def test_the_launcher_watch_names_a_stopped_process_once_and_its_return():
+    sleeper = subprocess.Popen(["sleep", "60"])
+    said = []
+    watch = launcher_watch.LauncherWatch(sleeper.pid, after=5.0, write=said.append)
+    try:
+        watch.look(now=100.0)
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5     # until the kernel shows it stopped
+        while launcher_watch.stat_state(f"/proc/{sleeper.pid}/stat") != "T" \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for t in range(101, 115):        # named once, 5 s after it was first seen stopped
+            watch.look(now=float(t))
+            assert len(said) == (t >= 106), (t, said)
+        os.kill(sleeper.pid, signal.SIGCONT)
+        time.sleep(0.1)
+        watch.look(now=120.0)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert len(said) == 2, said
+    assert said[0].startswith(f"ddpkit: this node's launcher (sleep, pid {sleeper.pid} on ")
+    assert said[1].startswith(f"ddpkit: the launcher (pid {sleeper.pid}) runs again, after ")
+
+
+def test_a_store_that_keeps_a_call_waiting_is_named_once_while_the_launcher_runs():
+    waits = iter([0.0, 4.0, 10.5, 12.0, 0.0, 11.0])
+    said = []
+    watch = launcher_watch.LauncherWatch(os.getpid(), after=5.0, store_wait=lambda: next(waits),
+                                         store_at=" (at node0:29500)", write=said.append)
+    for _ in range(6):
+        watch.look()
+    assert len(said) == 2 and said[0].startswith(
+        "ddpkit: the job's store (at node0:29500) has not answered for 10 s: the launcher that "
+        "holds it (on the first node) is stopped"), said
 
 
 @pytest.mark.slow
@@ -222,6 +302,48 @@ def test_a_silent_rank_on_another_host_is_read_by_a_rank_there():
     job.watch._look_for_stuck(6.0)
     answering.join()
     assert "    read_on_b (102)" in job.reports[0]
+
+
+def test_a_silent_rank_is_placed_after_the_step_the_others_finished_not_at_its_old_record():
+    # its last record was written up to a second before it stopped: at 15 ms steps that said
+    # step 1 while the others had finished step 50 (and could not have without it)
+    job = Job(2)
+    job.record(0, "waiting", still=6, step=50)
+    job.record(1, "running", age=4, step=1)
+    job.watch._look_for_stuck(6.0)
+    assert job.reports[0].startswith("ddpkit: rank 1 (pid 101 on ") and ", after step 50) is " \
+        "stuck" in job.reports[0] and "step 1" not in job.reports[0], job.reports
+
+
+def test_every_rank_waiting_in_different_collectives_is_named_as_a_mismatch_once():
+    job = Job(3)
+    job.record(0, "waiting", still=6, site="all_reduce at train.py:15 via ddpkit.runtime.evaluate")
+    for rank in (1, 2):
+        job.record(rank, "waiting", still=6, site="barrier at train.py:18")
+    job.watch._look_for_stuck(6.0)
+    job.watch._look_for_stuck(7.0)
+    assert len(job.reports) == 1, job.reports
+    first, last = job.reports[0].splitlines()
+    assert first.startswith("ddpkit: every rank has waited 6 s in a collective, but not in the "
+                            "same one: rank 0 (at step 7) in all_reduce at train.py:15 via "
+                            "ddpkit.runtime.evaluate; ranks 1, 2 (at step 7) in barrier at "
+                            "train.py:18. A collective that some ranks skip"), first
+    assert last.startswith("ddpkit: the job keeps waiting")
+
+
+def test_ranks_waiting_in_the_same_collective_or_not_all_waiting_are_no_mismatch():
+    same = Job(2)      # the same collective at the same step: a slow transfer, not a mismatch
+    for rank in (0, 1):
+        same.record(rank, "waiting", still=6, site="all_reduce at train.py:9")
+    same.watch._look_for_stuck(6.0)
+    apart = Job(2)     # the same line at different steps: called a different number of times
+    apart.record(0, "waiting", still=6, site="all_reduce at train.py:9", step=8)
+    apart.record(1, "waiting", still=6, site="all_reduce at train.py:9", step=7)
+    apart.watch._look_for_stuck(6.0)
+    assert same.reports == [] and len(apart.reports) == 1 and "rank 0 (at step 8)" in \
+        apart.reports[0]
+    from ddpkit.faults.mismatch import mismatch_report
+    assert mismatch_report({0: {"state": "waiting", "site": "a"}}, 2, 6.0) is None
 
 
 def test_no_rank_waiting_means_no_report():

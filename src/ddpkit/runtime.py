@@ -26,6 +26,8 @@ from .env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from .env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
 from .evaluate import evaluate
 from .faults import stall
+from .faults.launcher_watch import start_for_launcher
+from .faults.watch_store import watch_store
 from .faults.hangs import Heartbeat
 from .checkpoint.checkpointer import Checkpointer
 from .seed import seed_everything, set_deterministic
@@ -219,9 +221,12 @@ def _watch_for_stalls(heartbeat: Heartbeat, store: Any, world_size: int,
     several; ``DDPKIT_STALL_AFTER=0`` (``ddpkit run --stall-after 0``) turns it off."""
     after = stall.after_from_env()
     if after > 0 and world_size > 1 and store is not None:
-        watch = stall.StallWatch(heartbeat, stall.watch_store(store), after=after,
+        watch = stall.StallWatch(heartbeat, watch_store(store), after=after,
                                  timeout=timeout.total_seconds()).start()
         atexit.register(watch.stop)  # after the group's exit handler: runs before it
+        launcher = start_for_launcher(after, watch.store_wait)
+        if launcher is not None:
+            atexit.register(launcher.stop)
 
 
 def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,

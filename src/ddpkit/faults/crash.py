@@ -80,7 +80,17 @@ def _collective_site(tb: Any) -> "tuple[Optional[str], Optional[str]]":
     """(collective name, "file:line" in the caller's code) from a traceback, innermost first."""
     if tb is None:
         return None, None
-    frames = traceback.extract_tb(tb)
+    return collective_site(traceback.extract_tb(tb))
+
+
+def collective_site(frames: Any) -> "tuple[Optional[str], Optional[str]]":
+    """(collective name, "file:line via the ddpkit function called") from a stack's frames
+    (``traceback.extract_stack``, outermost first): a traceback's or a waiting thread's.
+
+    Example::
+
+        collective_site(traceback.extract_stack(frame))   # ('all_reduce', 'train.py:6 via ...')
+    """
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # ddpkit/
     op = None

@@ -11,7 +11,7 @@ import time
 import traceback
 from typing import Any, List, Optional
 
-__all__ = ["Look", "stack_of"]
+__all__ = ["Look", "stack_of", "stat_state"]
 
 # A collective's wait, seen from Python: inside torch.distributed, DDP, or autograd (DDP's
 # gradient all-reduce is waited for at the end of backward).
@@ -24,14 +24,24 @@ _TORCH = os.sep.join(("", "torch", ""))
 _COLLECTIVES = os.sep.join(("torch", "distributed", ""))  # busy there: spinning in a wait
 
 
-def _thread_state(native_id: Optional[int]) -> Optional[str]:
-    """The kernel's state letter of one thread of this process (``R`` running, ``S`` asleep,
-    ``D`` in uninterruptible I/O; Linux), or None."""
+def stat_state(stat: str) -> Optional[str]:
+    """The kernel's state letter in a ``/proc/.../stat`` file (``R`` running, ``S`` asleep,
+    ``D`` in uninterruptible I/O, ``T`` stopped; Linux), or None (gone, or not Linux).
+
+    Example::
+
+        stat_state(f"/proc/{os.getppid()}/stat")   # 'S'
+    """
     try:
-        with open(f"/proc/self/task/{native_id}/stat") as f:
+        with open(stat) as f:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def _thread_state(native_id: Optional[int]) -> Optional[str]:
+    """The state letter of one thread of this process."""
+    return stat_state(f"/proc/self/task/{native_id}/stat")
 
 
 _STDLIB = tuple(os.path.join(os.path.realpath(sysconfig.get_paths()[k]), "")

@@ -25,10 +25,10 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, 
 
 from .crash import _write
 from .looks import Look, stack_of
+from .mismatch import mismatch_report, waiting_site
 from .nativelog import quiet_native_warnings
 
-__all__ = ["StallWatch", "phase", "after_from_env", "stop_current", "watch_store", "store_prefix",
-           "answer_stack_asks"]
+__all__ = ["StallWatch", "phase", "after_from_env", "stop_current", "answer_stack_asks"]
 
 AFTER_VAR = "DDPKIT_STALL_AFTER"   # seconds; 0 turns the watch off (`ddpkit run --stall-after`)
 DEFAULT_AFTER = 5.0
@@ -129,6 +129,7 @@ class StallWatch:
         self._wait_share: float = 0.0
         self._straggler_said = time.monotonic()
         self._straggler_every = _seconds(os.environ.get(STRAGGLER_VAR), 300.0)
+        self._store_since: Optional[float] = None
 
     # -- life -----------------------------------------------------------------------------
     def start(self) -> "StallWatch":
@@ -155,15 +156,24 @@ class StallWatch:
         while not self._stop.wait(self.tick):
             try:
                 self._look.take()
-                if time.monotonic() >= next_record:
-                    next_record = time.monotonic() + self.interval
-                    with quiet_native_warnings():  # a store gone raises: tried again later
-                        self._once()
+                now = time.monotonic()
+                if now >= next_record:
+                    next_record, self._store_since = now + self.interval, now
+                    try:
+                        with quiet_native_warnings():  # a store gone raises: tried again later
+                            self._once()
+                    finally:
+                        self._store_since = None
                 failures = 0
             except Exception:  # noqa: BLE001 - diagnostics must never break training
                 failures += 1  # a store call that failed once: try again next time
                 if failures >= 30:
                     return     # the store is gone (the job is ending): stop watching
+
+    def store_wait(self) -> float:
+        """Seconds this watch's current round of store calls has waited (0: none under way)."""
+        since = self._store_since
+        return 0.0 if since is None else time.monotonic() - since
 
     # -- one record -----------------------------------------------------------------------
     def _write_record(self) -> Tuple[float, str]:
@@ -188,8 +198,11 @@ class StallWatch:
                   "phase_for": round(now - _PHASE["since"], 1) if _PHASE["name"] else 0.0,
                   "wait_share": round(self._wait_share, 3), "step_s": self._typical_step(),
                   "first": self._changes == 0, "time": time.time()}
-        if still >= 1.0 and look.state != "waiting" and look.frame is not None:
-            record["stack"] = stack_of(look.frame)
+        if still >= 1.0 and look.frame is not None:  # waiting: where (a mismatch shows)
+            if look.state == "waiting":
+                record["site"] = waiting_site(look.frame)
+            else:
+                record["stack"] = stack_of(look.frame)
         self.store.set(_RECORD.format(rank=self.rank), json.dumps(record))
         self._records_written += 1
         self.heartbeat.flush()
@@ -242,6 +255,13 @@ class StallWatch:
             allowed = _LONGER if longer else self._limit()
             if silent or rec["still"] >= allowed:
                 stuck.append((rank, rec, silent))
+        if not stuck and len(waiting) == self.world_size:   # all wait: in the same one?
+            report = mismatch_report(records, self.world_size, waited)
+            places = tuple((r, rec.get("site"), rec.get("step")) for r, rec in records.items())
+            if report and places not in self._reported:
+                self._reported.add(places)
+                self._write(report + self._keeps_waiting())
+            return
         stuck = [s for s in stuck if (s[0], s[1].get("step")) not in self._reported]
         if not stuck:
             return   # none, or each named already (a rank is named again at another step)
@@ -252,9 +272,12 @@ class StallWatch:
                 at: Optional[int]) -> str:
         lines = []
         others = ", ".join(map(str, waiting)) + ("" if at is None else f" (at step {at})")
+        mine = at
         for rank, rec, silent in stuck:
             step = rec.get("step")
-            if silent:  # its record is up to a second old: steps since then are unknown
+            if silent and isinstance(mine, int) and (step is None or mine > step):
+                at = f"after step {mine}"   # the others finished it: so did it (its record lags)
+            elif silent:  # its record is up to a second old: steps since then are unknown
                 at = f"last step recorded {step}" if step is not None else "no step recorded"
             else:
                 at = f"last finished step {step}" if step is not None else "no step finished"
@@ -283,10 +306,12 @@ class StallWatch:
                          + ("; its Python stack, innermost first:" if stack else
                             f"; {_no_stack(silent, rec['host'] == self.host)}"))
             lines += [f"    {frame}" for frame in stack or []]
+        return "".join(line + "\n" for line in lines) + self._keeps_waiting()
+
+    def _keeps_waiting(self) -> str:
         timeout = f"{self.timeout:.0f} s" if self.timeout else "its collective timeout"
-        lines.append(f"ddpkit: the job keeps waiting (it may recover) until {timeout} "
-                     "(ddpkit run --timeout S), or stop it with Ctrl-C")
-        return "".join(line + "\n" for line in lines)
+        return (f"ddpkit: the job keeps waiting (it may recover) until {timeout} "
+                "(ddpkit run --timeout S), or stop it with Ctrl-C\n")
 
     def _stack_of_silent(self, rank: int, rec: Dict[str, Any]) -> Optional[List[str]]:
         """A stopped rank's stack: py-spy here if it runs on this host, else asked of a rank
@@ -363,46 +388,6 @@ def answer_stack_asks(store: Any, host: str, seen: int, world_size: int,
             if stack:  # one that cannot read it (no ptrace right) leaves it to one that can
                 store.set(answer, json.dumps(stack))
     return asks
-
-
-def store_prefix(environ: Mapping[str, str]) -> str:
-    """The watch's keys for one job in its store, and for one attempt where the store outlives
-    an attempt (torchrun's agent store, shared by the restarts of one node); a fresh store each
-    round (`ddpkit run` on several nodes) needs none, and there the nodes' restart counts can
-    differ, so none is added (as :func:`ddpkit.env.dist.init_process_group` does).
-
-    Example::
-
-        store_prefix({"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "1",
-                      "TORCHELASTIC_USE_AGENT_STORE": "True"})   # 'ddpkit/job/1/'
-    """
-    attempt = (environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-               if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "0")
-    return f"ddpkit/{environ.get('TORCHELASTIC_RUN_ID', 'job')}/{attempt}/"
-
-
-def watch_store(store: Any, environ: Mapping[str, str] = os.environ) -> Any:
-    """The job's store itself (under torchrun, the agent's, at the workers' MASTER_ADDR and
-    MASTER_PORT) under :func:`store_prefix`, not the process group's prefixes: a node's launcher
-    reaches it too, and answers for a stopped worker no other rank on its node can read.
-
-    Example::
-
-        watch = StallWatch(heartbeat, watch_store(rt.engine.store()))
-    """
-    import torch.distributed as dist
-
-    try:
-        root = getattr(store, "_underlying_non_prefix_store", None)
-        if root is None:  # an older torch: walk the prefixes down
-            root = store
-            while isinstance(root, dist.PrefixStore):
-                root = root.underlying_store
-        if not isinstance(root, dist.Store):  # not a c10d store (Horovod's): as it is
-            return store
-        return dist.PrefixStore(store_prefix(environ), root)
-    except Exception:  # noqa: BLE001 - diagnostics must never break set-up: the group's own
-        return store
 
 
 def _no_stack(silent: bool, here: bool) -> str:

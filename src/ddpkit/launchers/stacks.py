@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..faults import stall
+from ..faults.watch_store import store_prefix
 from ..faults.nativelog import quiet_native_warnings
 from . import watchdog
 
@@ -82,7 +83,7 @@ class StackAnswers:
                 if not workers:
                     continue
                 env = next(iter(workers.values()))
-                now = (env["MASTER_ADDR"], int(env["MASTER_PORT"]), stall.store_prefix(env))
+                now = (env["MASTER_ADDR"], int(env["MASTER_PORT"]), store_prefix(env))
                 if now != where and not _listening(now[0], now[1]):  # a new attempt of the
                     continue  # job (a restart) whose rank 0 has not opened its store yet
                 # torch's client prints its native stack for a store gone with its rank (or
