@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import pickle
+import re
 import resource
 import shutil
 import subprocess
@@ -76,6 +77,23 @@ def test_keeping_fewer_checkpoints_takes_less_disk_as_the_advice_says(small_disk
         kept = sorted((out / "checkpoints").glob("ckpt-*.pt"))
         assert len(kept) == int(keep) and kept[-1].name == "ckpt-000000020.pt", kept
         shutil.rmtree(out)
+
+
+@pytest.mark.disk_size("400k")
+def test_a_full_disk_with_one_checkpoint_on_it_says_the_space_needed_not_keep_fewer(small_disk):
+    # issue 55, row 9: keeping fewer would delete nothing (the one checkpoint stays)
+    out = small_disk / "run"
+    res = _ddpkit("train", "--nproc", "1", "--epochs", "1", "--ckpt-every-steps", "3",
+                  "--max-steps", "20", "--output", str(out))
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith(("error:", "[rank"))]
+    assert len(errors) == 1 and "keep fewer checkpoints: keep=" not in errors[0], res.stderr
+    assert [p.name for p in (out / "checkpoints").glob("ckpt-*.pt")] == ["ckpt-000000003.pt"]
+    assert re.search(rf"needs about [\d.]+ kB \(filesystem {small_disk}: [\d.]+ kB free\)",
+                     errors[0]), errors[0]
+    assert re.search(rf"; free at least [\d.]+ kB more on {small_disk} \(keeping fewer "
+                     "checkpoints would not make room: only the newest intact checkpoint is "
+                     "left, and it stays\), then resume with `ddpkit train --config ", errors[0])
 
 
 @contextlib.contextmanager

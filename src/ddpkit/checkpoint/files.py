@@ -93,8 +93,9 @@ def _save_on_main(state: Dict[str, Any], directory: Path, step: int, keep: int) 
         if full is not None:
             newest = final if final.is_file() else previous  # the pointer failed, not the file
             needed = max(state_bytes(state), previous.stat().st_size if previous else 0)
+            older = [p.stat().st_size for p in list_checkpoints(directory) if _step_of(p) < step]
             raise SaveError(no_space(full, f"checkpoint {final}", directory, needed, newest,
-                                     keep)) from None
+                                     keep, older)) from None
         if not isinstance(exc, OSError):
             raise
         kept = (f"the previous checkpoint {previous} is intact" if previous is not None

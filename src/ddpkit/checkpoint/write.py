@@ -12,7 +12,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, Optional
+from typing import IO, Any, Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -138,15 +138,25 @@ def _size(n: float) -> str:
     return f"{n:.1f} TB"  # unreachable
 
 
-def _free(directory: Path) -> str:
+def _free(directory: Path) -> Optional[int]:
     with contextlib.suppress(OSError):
-        return f" ({_size(shutil.disk_usage(directory).free)} free)"
-    return ""
+        return shutil.disk_usage(directory).free
+    return None
+
+
+def _mount(directory: Path) -> Path:
+    """The mount point of the filesystem that holds ``directory``: where space must be freed."""
+    path = directory.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
 
 
 def no_space(err: OSError, what: str, directory: Path, needed: int,
-             newest: Optional[Path], keep: int = 1) -> str:
-    """The one line for a checkpoint that did not fit: what, how much, what is intact, what next.
+             newest: Optional[Path], keep: int = 1, older: Sequence[int] = ()) -> str:
+    """The one line for a checkpoint that did not fit: what, how much, on which filesystem, what
+    is intact, what next. ``older``: the sizes of the checkpoints on disk older than the one
+    that failed, oldest first (what a smaller ``keep`` could delete before the write).
 
     Example::
 
@@ -155,11 +165,31 @@ def no_space(err: OSError, what: str, directory: Path, needed: int,
     """
     kept = (f"the newest intact checkpoint is {newest}" if newest is not None
             else "there is no earlier checkpoint")
-    fewer = (f" (or keep fewer checkpoints: keep={keep - 1} / --ckpt-keep {keep - 1} holds "
-             f"{keep - 1} on disk while the next is written, {keep} now)" if keep > 2 else "")
+    free, mount = _free(directory), _mount(Path(directory))
+    where = f" (filesystem {mount}: {_size(free)} free)" if free is not None else ""
     return (f"{_NO_ROOM.get(err.errno or 0, err.strerror or str(err))}: {what} needs about "
-            f"{_size(needed)}{_free(directory)}; the partial write was removed and {kept}; "
-            f"free space{fewer}, then {resume_advice()}")
+            f"{_size(needed)}{where}; the partial write was removed and {kept}; "
+            f"{_make_room(needed, free, mount, keep, older)}, then {resume_advice()}")
+
+
+def _make_room(needed: int, free: Optional[int], mount: Path, keep: int,
+               older: Sequence[int]) -> str:
+    # keep=K holds max(K, 2) - 1 older checkpoints while the next is written (the newest complete
+    # one always stays): a smaller keep is advice only where the ones it deletes make room.
+    if free is not None:
+        for fewer in range(keep - 1, 1, -1):  # the most checkpoints that still make room
+            doomed = older[:max(0, len(older) - (fewer - 1))]
+            if doomed and free + sum(doomed) >= needed:
+                return (f"free space (or keep fewer checkpoints: keep={fewer} / --ckpt-keep "
+                        f"{fewer} holds {fewer} on disk while the next is written, "
+                        f"{len(older) + 1} now)")
+    if free is None or free >= needed:  # a quota or a file-size limit, not the disk itself
+        return "free space"
+    deletable = sum(older[:-1])
+    why = ("only the newest intact checkpoint is left, and it stays" if deletable == 0 else
+           f"deleting all but the newest would free only {_size(deletable)}")
+    return (f"free at least {_size(needed - free)} more on {mount} (keeping fewer checkpoints "
+            f"would not make room: {why})")
 
 
 def resume_advice() -> str:
