@@ -23,7 +23,7 @@ from .advice import (AUTO_FIRST_SAVE, auto_cadence_line, cadence_line, grace_lin
                      restarts_allowed, world_change_line, young_daly_steps)
 from ..seed import rng_state, set_rng_state
 from .shared_dir import check_shared
-from .restore import load_parts, load_weights, next_position, stateful
+from .restore import load_parts, load_weights, next_position, not_this_run, stateful
 from .sharded import (async_group, async_writer, is_sharded, remove_shards, save_shards,
                       start_shards)
 from ..faults import stall
@@ -335,7 +335,9 @@ class Checkpointer:
         # Rank 0 chooses, so every rank resumes from the same file even if one is being damaged.
         # Loaded to the CPU on every device: RNG states must be CPU tensors, and load_state_dict
         # copies weights and optimizer state onto the parameters' device (GPU <-> CPU resumes).
-        found = resolve_resume(resume, self.directory or "", "cpu") if self.rt.is_main else None
+        found = (resolve_resume(resume, self.directory or "", "cpu",  # another model's: skipped
+                                fits=lambda s: not_this_run(s, self.model, self.config))
+                 if self.rt.is_main else None)
         chosen = comm.broadcast_object(str(found[0]) if found else None)
         if chosen is None:
             comm.print0(f"no checkpoint in {self.directory}: starting fresh")

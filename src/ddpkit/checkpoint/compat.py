@@ -5,13 +5,14 @@ Used by resume before anything is loaded, so a wrong checkpoint is one clear lin
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from ..errors import ConfigError
 
-__all__ = ["check_compatible", "check_optimizer_compatible"]
+__all__ = ["check_compatible", "check_optimizer_compatible", "other_model",
+           "named_model_differs"]
 
 _SHOWN = 5                               # keys named per category in mismatch messages
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -27,14 +28,10 @@ def check_compatible(model_state: Dict[str, Any], current: Any, what: str = "mod
 
         check_compatible(state["model"], unwrap(model).state_dict())
     """
-    if hasattr(current, "state_dict"):
-        current = current.state_dict()
     if not isinstance(model_state, dict):
         raise ConfigError(f"checkpoint {what} state is a {type(model_state).__name__}, not a "
                           f"state_dict; save {what}.state_dict() in the checkpoint")
-    missing = [k for k in current if k not in model_state]
-    unexpected = [k for k in model_state if k not in current]
-    shapes = _shape_mismatches(model_state, current, what)
+    missing, unexpected, shapes = _mismatches(model_state, current, what)
     if not (missing or unexpected or shapes):
         return
     parts = [f"{label}: {_some(items)}" for label, items in
@@ -44,6 +41,51 @@ def check_compatible(model_state: Dict[str, Any], current: Any, what: str = "mod
     raise ConfigError(f"checkpoint {what} does not fit this run's {what} (the checkpoint is "
                       f"from a different {what}): {'; '.join(parts)}{hint}; build the same "
                       f"{what} as the run that saved it, or start fresh")
+
+
+def other_model(model_state: Any, current: Any) -> Optional[str]:
+    """Why ``model_state`` holds another model's weights than ``current`` (a module or its
+    state_dict), in a few words for a line that names the file; None when it fits.
+
+    Example::
+
+        other_model({"w": torch.zeros(3)}, nn.Linear(2, 2))
+        # "another model: 1 unexpected key (w), 2 missing keys (weight, ...)"
+    """
+    if not isinstance(model_state, dict):
+        return f"its model state is a {type(model_state).__name__}, not a state_dict"
+    missing, unexpected, shapes = _mismatches(model_state, current, "model")
+    found = (("unexpected key", unexpected), ("missing key", missing), ("other shape", shapes))
+    said = [f"{len(items)} {noun}{'s' if len(items) > 1 else ''} ({items[0].split(':')[0]}"
+            f"{', ...' if len(items) > 1 else ''})" for noun, items in found if items]
+    return f"another model: {', '.join(said)}" if said else None
+
+
+def named_model_differs(ckpt: Any, config: Mapping[str, Any]) -> Optional[str]:
+    """Why ``ckpt`` is another model's by the model its recorded ``config`` names, where it and
+    this run's ``config`` both name one; None otherwise.
+
+    Example::
+
+        named_model_differs({"config": {"model": "small_cnn"}}, {"model": "resnet18"})
+        # "written for model 'small_cnn', this run's is 'resnet18'"
+    """
+    saved = ckpt.get("config") if isinstance(ckpt, dict) else None
+    if isinstance(saved, dict) and "model" in saved and "model" in config and \
+            saved["model"] != config["model"]:
+        return f"written for model {saved['model']!r}, this run's is {config['model']!r}"
+    return None
+
+
+def _mismatches(saved: Dict[str, Any], current: Any,
+                what: str) -> Tuple[List[str], List[str], List[str]]:
+    """The keys ``current`` has and ``saved`` lacks, those only ``saved`` has, and shape
+    mismatches."""
+    if hasattr(current, "state_dict"):
+        current = current.state_dict()
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    return missing, unexpected, _shape_mismatches(saved, current, what)
 
 
 def _shape_mismatches(saved: Dict[str, Any], current: Dict[str, Any], what: str) -> List[str]:

@@ -10,9 +10,8 @@ import re
 import sys
 import warnings
 import zipfile
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -21,7 +20,7 @@ from .compat import check_compatible, check_optimizer_compatible
 from .write import SaveError, atomic_write, disk_full, no_space, state_bytes
 from ..errors import ConfigError, DDPKitError
 from .names import _NAME, _step_of, checkpoint_name, list_checkpoints
-from .pickles import code_named, refused_line
+from .pickles import code_named, refuse_unloadable, refused_line
 from .sharded import remove_shards
 
 __all__ = ["checkpoint_name", "save_checkpoint", "load_checkpoint", "list_checkpoints",
@@ -30,12 +29,11 @@ __all__ = ["checkpoint_name", "save_checkpoint", "load_checkpoint", "list_checkp
            "LATEST"]
 
 PathLike = Union[str, Path]
+Fits = Callable[[dict], Optional[str]]  # why a loaded checkpoint is not this run's, or None
 FORMAT_VERSION = 1
 LATEST = "latest"                        # pointer file holding the newest checkpoint's name
 _TMP = re.compile(r"ckpt-(\d+)\.pt\.tmp")
 _CHUNK = 1 << 24
-# Exact types: subclasses (e.g. torch.__version__, a str subclass) pickle as refused globals.
-_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
 
 
 # --------------------------------------------------------------------------- saving
@@ -86,7 +84,7 @@ def _save_on_main(state: Dict[str, Any], directory: Path, step: int, keep: int) 
         # newest complete one always stays), so keeping fewer really takes less disk.
         _prune(directory, final, max(keep, 2))
         atomic_write(final, lambda f: torch.save(state, f),
-                     verify=lambda tmp: _refuse_unloadable(tmp, state))
+                     verify=lambda tmp: refuse_unloadable(tmp, state))
         _point_to(final)
     except Exception as exc:  # torch's zip writer wraps a full disk's OSError in a RuntimeError
         full = disk_full(exc)
@@ -131,34 +129,6 @@ def _check_save_args(state: Any, step: Any, keep: Any) -> None:
 def _newest(directory: Path) -> Optional[Path]:
     found = list_checkpoints(directory)
     return found[-1] if found else None
-
-
-def _refuse_unloadable(tmp: Path, state: Dict[str, Any]) -> None:
-    # Fail at save time on what load_checkpoint (weights_only) would refuse at resume time.
-    finder = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
-    unsafe = sorted(finder(str(tmp))) if finder is not None else []
-    if unsafe:
-        where = _first_unplain(state, "state")
-        at = f" at {where}" if where else ""
-        raise ConfigError(f"checkpoint state holds objects that load_checkpoint would refuse "
-                          f"({', '.join(unsafe[:3])}){at}; store only tensors, numbers, strings, "
-                          "lists and dicts (e.g. numpy arrays as torch tensors)")
-
-
-def _first_unplain(value: Any, where: str) -> Optional[str]:
-    # Best effort: name the first value that is neither a container nor a plain leaf.
-    if type(value) in (dict, OrderedDict):
-        items = [(f"{where}[{k!r}]", v) for k, v in value.items()]
-    elif type(value) in (list, tuple):
-        items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
-    else:
-        plain = isinstance(value, torch.Tensor) or type(value) in _PLAIN
-        return None if plain else f"{where} ({type(value).__name__})"
-    for sub, item in items:
-        found = _first_unplain(item, sub)
-        if found:
-            return found
-    return None
 
 
 def _prune(directory: Path, final: Path, keep: int) -> None:
@@ -257,16 +227,16 @@ def _not_a_checkpoint(path: Path, exc: BaseException) -> str:
             f"of tensors; {why}); pass a file written by save_checkpoint")
 
 
-def find_latest(directory: PathLike, map_location: Any = None, *,
-                quiet: bool = False) -> Optional[Tuple[Path, dict]]:
+def find_latest(directory: PathLike, map_location: Any = None, *, quiet: bool = False,
+                fits: Optional[Fits] = None) -> Optional[Tuple[Path, dict]]:
     """The newest loadable checkpoint in ``directory`` and its state, or ``None`` if there is none.
 
     Tries them in :func:`resume_order` (a checkpoint written after the ``latest`` pointer last
-    moved, the pointer's, then the rest newest first); unreadable ones
-    (torn, corrupted, refused) are skipped with a ``warning:`` line from rank 0 (none when
-    ``quiet``: a launcher's look ahead of the ranks that will say it). Raises
-    :class:`ConfigError` when checkpoints exist but none of them loads (rather than silently
-    starting over).
+    moved, the pointer's, then the rest newest first). Skipped, each with a ``warning:`` line from
+    rank 0 (none when ``quiet``: a launcher's look ahead of the ranks that will say it): the
+    unreadable (torn, corrupted, refused), and another model's (``fits(state)`` says why, or
+    None), unless none is this run's (the newest: the caller refuses it). Raises ConfigError
+    when checkpoints exist but none of them loads (rather than silently starting over).
 
     Example::
 
@@ -276,13 +246,24 @@ def find_latest(directory: PathLike, map_location: Any = None, *,
     """
     directory = Path(directory).expanduser()
     order = resume_order(directory, quiet=quiet)
-    said = []
+    said: List[str] = []
+    foreign: List[Tuple[Path, dict, str]] = []  # another model's: kept to be said or refused
     for path in order:
         try:
-            return path, _with_shards(path, load_checkpoint(path, map_location))
+            state = _with_shards(path, load_checkpoint(path, map_location))
         except ConfigError as exc:
             said.append(str(exc))
             _warn(f"{exc}; skipping it", quiet)
+            continue
+        why = fits(state) if fits is not None else None
+        if why is None:
+            for other, _, reason in foreign:  # said once the one resumed instead is known
+                _warn(f"{other} does not belong to this run ({reason}): skipped; resuming "
+                      f"from {path}", quiet)
+            return path, state
+        foreign.append((path, {} if foreign else state, why))
+    if foreign:  # none is this run's: the run asks for another model, as its caller says
+        return foreign[0][0], foreign[0][1]
     if order:  # quiet: no warning above to point at, so the newest one's reason
         why = f"the newest: {said[0]}" if quiet else "see the warnings above"
         raise ConfigError(f"none of the {len(order)} checkpoints in {directory} could be loaded "
@@ -348,14 +329,14 @@ def _pointer_target(directory: Path, quiet: bool = False) -> Optional[Path]:
 
 
 def resolve_resume(resume: Optional[PathLike], directory: PathLike,
-                   map_location: Any = None, *, quiet: bool = False
-                   ) -> Optional[Tuple[Path, dict]]:
+                   map_location: Any = None, *, quiet: bool = False,
+                   fits: Optional[Fits] = None) -> Optional[Tuple[Path, dict]]:
     """Turn a ``--resume`` value into ``(path, state)``, or ``None`` to start fresh.
 
-    ``None``/``""``: no resume. ``"auto"``: the newest checkpoint in ``directory`` if any.
-    A file path loads that file; a directory path loads its newest checkpoint. An explicit
-    path that does not exist or holds nothing raises :class:`ConfigError`. ``quiet``: skipped
-    checkpoints are not said (see :func:`find_latest`).
+    ``None``/``""``: no resume. ``"auto"``: the newest checkpoint in ``directory`` that ``fits``,
+    if any. A file path loads that file; a directory path loads its newest checkpoint. An explicit
+    path that does not exist or holds nothing raises :class:`ConfigError`. ``quiet`` and
+    ``fits``: see :func:`find_latest` (a path given is taken as it is).
 
     Example::
 
@@ -366,7 +347,7 @@ def resolve_resume(resume: Optional[PathLike], directory: PathLike,
     if resume is None or str(resume) == "":
         return None
     if str(resume) == "auto":
-        return find_latest(directory, map_location, quiet=quiet)
+        return find_latest(directory, map_location, quiet=quiet, fits=fits)
     path = Path(resume).expanduser()
     if not path.is_dir():
         return path, _with_shards(path, load_checkpoint(path, map_location))

@@ -11,15 +11,16 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Mapping, MutableMapping
+from typing import Any, Dict, Mapping, MutableMapping, Optional
 
 from torch import nn
 
-from .compat import check_compatible, check_optimizer_compatible, plain_state
+from .compat import (check_compatible, check_optimizer_compatible, named_model_differs,
+                     other_model, plain_state)
 from .sharded import is_sharded, load_full_state, load_shards
 from ..wrap import unwrap
 
-__all__ = ["load_weights", "load_parts", "next_position", "stateful"]
+__all__ = ["load_weights", "load_parts", "next_position", "stateful", "not_this_run"]
 
 
 def load_weights(model: nn.Module, optimizer: Any, ckpt: Dict[str, Any], path: Path) -> None:
@@ -44,6 +45,25 @@ def load_weights(model: nn.Module, optimizer: Any, ckpt: Dict[str, Any], path: P
     net.load_state_dict(saved)
     if optimizer is not None and ckpt.get("optimizer") is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
+
+
+def not_this_run(ckpt: Dict[str, Any], model: nn.Module,
+                 config: Mapping[str, Any]) -> Optional[str]:
+    """Why a checkpoint that ``resume="auto"`` found among the run's is another model's: the
+    model its config names (where both configs name one), or its weights' names and shapes;
+    None when it is this run's (a sharded one is checked as its shards load).
+
+    Example::
+
+        not_this_run(load_checkpoint(path), model, {"model": "resnet18"})
+        # "written for model 'small_cnn', this run's is 'resnet18'"
+    """
+    named = named_model_differs(ckpt, config)
+    if named is not None:
+        return named
+    if ckpt.get("sharded") or not isinstance(ckpt.get("model"), dict):
+        return None  # not a state_dict: load_weights says so
+    return other_model(plain_state(ckpt["model"]), unwrap(model).state_dict())
 
 
 def load_parts(parts: Mapping[str, Any], extra: MutableMapping[str, Any],

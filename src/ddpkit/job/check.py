@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint.compat import named_model_differs
 from ..checkpoint.files import holds_run, resolve_resume
 from ..data.batch import Spelling, good_sizes, split_batch
 from ..engines import create as create_engine
@@ -217,8 +218,10 @@ def check_resume(cfg: TrainConfig) -> None:
     """
     if not cfg.resume:
         return
-    # quiet: torn checkpoints are skipped (and said) by the workers
-    found = resolve_resume(cfg.resume, os.path.join(cfg.output, "checkpoints"), quiet=True)
+    # quiet: torn checkpoints and another model's are skipped (and said) by the workers (which
+    # judge by the model's name too, and by the weights' names and shapes)
+    found = resolve_resume(cfg.resume, os.path.join(cfg.output, "checkpoints"), quiet=True,
+                           fits=lambda state: named_model_differs(state, {"model": cfg.model}))
     if cfg.eval_only and not found:
         raise ConfigError(f"--eval-only --resume {cfg.resume}: no checkpoint in "
                           f"{os.path.join(cfg.output, 'checkpoints')} to evaluate; give a "

@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 from .. import comm
 from ..checkpoint.files import load_checkpoint, resolve_resume
-from ..checkpoint.restore import load_weights
+from ..checkpoint.restore import load_weights, not_this_run
 from ..errors import ConfigError
 from ..evaluate import perplexity
 from ..log import format_scores
@@ -31,7 +31,9 @@ def evaluate_checkpoint(cfg: TrainConfig, rt: Any, model: Any, test_set: Any) ->
         metrics = evaluate_checkpoint(cfg, rt, model, test_set)   # cfg.eval_only, cfg.resume
     """
     directory = os.path.join(cfg.output, "checkpoints")
-    found = resolve_resume(cfg.resume, directory, "cpu") if rt.is_main else None
+    found = (resolve_resume(cfg.resume, directory, "cpu",  # another model's: skipped
+                            fits=lambda state: not_this_run(state, model, {"model": cfg.model}))
+             if rt.is_main else None)
     chosen = comm.broadcast_object(str(found[0]) if found else None)
     if chosen is None:
         raise ConfigError(f"--eval-only: no checkpoint in {directory} to evaluate; give --resume "
