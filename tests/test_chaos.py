@@ -5,6 +5,7 @@ users and clusters do (Ctrl-C, SIGTERM, Slurm's SIGUSR1, SIGSTOP of one rank, an
 sys.exit, kill -9), and checks the exit status, the lines printed, the rank named, that no
 process is left behind and the time to exit.
 """
+import json
 import os
 import signal
 import subprocess
@@ -122,6 +123,50 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_the_resumed_run_is_exact(
     assert final["step"] == reference["step"] == 3 * resume_script.SAMPLES // 8
     assert_bitwise_equal(final["params"], reference["params"])
     assert_every_sample_once(str(tmp_path), 3)
+
+
+STOP_AS_THE_RUN_CLOSES = """
+import os, signal
+if os.environ.get("RANK") == "0":  # a worker of the test's ddpkit train: SIGTERM after the
+    import ddpkit.log                # last step, its evaluation and save, as the logger closes
+    closing = ddpkit.log.RunLogger.close
+    def close(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        closing(self)
+    ddpkit.log.RunLogger.close = close
+"""
+
+
+def test_a_stop_after_the_last_step_then_the_resume_command_says_the_run_is_complete(tmp_path):
+    # Issue 55 row 19: the stop said "(epoch 3)" for a 2-epoch run, and its rerun trained
+    # nothing without a word about why.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STOP_AS_THE_RUN_CLOSES)
+    run, env = tmp_path / "run", dict(CLEAN, PYTHONPATH=os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    train = [sys.executable, "-m", "ddpkit", "train", "--nproc", "2", "--data", "synthetic",
+             "--synthetic-samples", "256", "--batch-size", "32", "--epochs", "2",
+             "--no-progress", "--output", str(run)]
+    first = subprocess.run(train, capture_output=True, text=True, timeout=240, env=env)
+    assert first.returncode == 143, first.stderr[-3000:]
+    ckpt = run / "checkpoints" / "ckpt-000000016.pt"
+    assert f"stopped by SIGTERM at step 16 (end of epoch 2): checkpoint {ckpt} saved" in \
+        first.stdout and "epoch 3" not in first.stdout, first.stdout[-2000:]
+    again = first.stderr.split("continue with `ddpkit ")[1].split("`")[0].split()
+    res = subprocess.run([sys.executable, "-m", "ddpkit", *again], capture_output=True,
+                         text=True, timeout=240, env=CLEAN)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith(
+        ("resumed from", "the run is complete", "epoch ", "final:"))]
+    assert lines[:2] == [
+        f"resumed from {ckpt} at step 16 (end of epoch 2)",
+        f"the run is complete: {ckpt} holds its last step (step 16, end of epoch 2 of 2); "
+        "nothing left to train"] and lines[2].startswith("final: top-1 "), res.stdout[-2000:]
+    results = json.loads((run / "results.json").read_text())
+    last = [line for line in first.stdout.splitlines() if line.startswith("epoch 2/2")][0]
+    assert results["epochs"] == 2 and results["steps"] == 16
+    assert f"eval loss {results['final']['eval/loss']:.4f}" in last
 
 
 def test_a_stopped_rank_is_named_with_its_stack_and_the_job_ends_soon_after_the_timeout(

@@ -35,7 +35,7 @@ def test_kill_9_names_the_rank_and_the_restart_resumes_without_a_second_banner(t
         "out of memory, or a crash in native code); restarting every rank (restart 1 of 1)"]
     assert out.count(BANNER) == 1 and out.count("Initializing distributed: GLOBAL_RANK: 0") == 1
     assert out.count("Total params") == 1 and out.count("\ntrain: ") == 1, out[-3000:]
-    resumed = re.findall(r"^resumed from (\S+) at step \d+ \(epoch \d+\)$", out, re.M)
+    resumed = re.findall(r"^resumed from (\S+) at step \d+ \((?:end of )?epoch \d+\)$", out, re.M)
     assert len(resumed) == 1 and os.path.isfile(resumed[0]), out[-2000:]
     assert "final: top-1" in out and not _left_behind(job.out)
 

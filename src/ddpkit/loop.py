@@ -250,6 +250,8 @@ class _Fit:
         self._hooks_anywhere = bool(comm.reduce(len(self.cfg.hooks), "max"))
         for hook in self.cfg.hooks:
             hook.on_fit_start(self)
+        if self.checkpoints.resumed and (self.state.epoch >= self.cfg.epochs or self._stop()):
+            self._say_complete()
         while self.state.epoch < self.cfg.epochs and not self._stop():
             metrics = self.train_epoch()
             if self._stop() and not self._epoch_finished():
@@ -263,6 +265,19 @@ class _Fit:
         if self.logger is not None:
             self.logger.close()
         return self.state
+
+    def _say_complete(self) -> None:
+        """Resumed with nothing left to train (a stop after the last step, or the same command
+        again): one line; the run ends with the results its history holds. A run ended by
+        max_steps mid-epoch saves before its final evaluation: that runs now if not recorded."""
+        why = (f"end of epoch {self.state.epoch} of {self.cfg.epochs}"
+               if self.state.epoch >= self.cfg.epochs else f"max_steps {self.cfg.max_steps}")
+        comm.print0(f"the run is complete: {self.checkpoints.resumed} holds its last step "
+                    f"(step {self.state.step}, {why}); nothing left to train")
+        last = self.state.history[-1] if self.state.history else {}
+        if self.state.epoch < self.cfg.epochs and self.checkpoints.mid_epoch and \
+                last.get("stopped_at_step") != self.state.step:
+            self._end_run_mid_epoch({"train/samples": 0})
 
     def _epoch_finished(self) -> bool:
         return self.loader.at_last_batch

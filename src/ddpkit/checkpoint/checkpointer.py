@@ -14,14 +14,16 @@ from typing import Any, Dict, Mapping, Optional, Union
 from torch import nn
 
 from .. import comm
+from .arguments import (check_extra_names, check_options, check_parts,
+                        check_same_on_every_rank)
 from .background import BackgroundSaver, gathered_rng
 from .files import (_save_on_main, checkpoint_metadata, checkpoint_name, load_checkpoint,
                     resolve_resume, save_checkpoint)
-from ..errors import ConfigError
 from ..observe import own_directory
 from .advice import (AUTO_FIRST_SAVE, auto_cadence_line, cadence_line, grace_line,
                      restarts_allowed, world_change_line, young_daly_steps)
 from ..seed import rng_state, set_rng_state
+from .position import where
 from .shared_dir import check_shared
 from .restore import load_parts, load_weights, next_position, not_this_run, stateful
 from .sharded import (async_group, async_writer, is_sharded, remove_shards, save_shards,
@@ -33,10 +35,6 @@ from ..wrap import unwrap
 __all__ = ["Checkpointer"]
 
 _STOP_CALIBRATION = 20  # the optimizer step at which the ranks settle how often to ask
-# Names the checkpoint itself uses: extras cannot take them.
-_RESERVED = frozenset({"model", "optimizer", "scheduler", "precision", "scaler", "loader",
-                       "progress", "rng", "world_size", "config", "meta", "sharded",
-                       "extra_names"})
 
 
 class Checkpointer:
@@ -81,12 +79,12 @@ class Checkpointer:
                  resume: Optional[Union[str, Path]] = "auto",
                  config: Optional[Mapping[str, Any]] = None, async_save: bool = False,
                  mtbf_hours: float = 24.0) -> None:
-        _check_options(every_steps, every_minutes, keep, extra, mtbf_hours)
+        check_options(every_steps, every_minutes, keep, extra, mtbf_hours)
         # every_steps="auto": the MTBF (s) to choose the cadence from, once measured (then None)
         self._auto_mtbf = 3600.0 * mtbf_hours if every_steps == "auto" else None
         every_steps = 0 if every_steps == "auto" else every_steps
-        _check_parts(model, loader)
-        _check_same_on_every_rank(directory)
+        check_parts(model, loader)
+        check_same_on_every_rank(directory)
         directory = own_directory(directory)  # under ddpkit verify: this run's own
         self.rt, self.model, self.optimizer, self.loader = rt, model, optimizer, loader
         self.parts = {"scheduler": scheduler, "scaler": scaler, "precision": precision}
@@ -103,6 +101,7 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self._first_step, self._stop_every = 0, 1
         self._cadence_said = False
+        self._resumed_at_end = False  # the checkpoint resumed from was after its epoch's last batch
         self._graceful = contextlib.ExitStack()
         #: asynchronous saves (None: each save writes before the step goes on)
         self.background = BackgroundSaver(_save_on_main) if async_save else None
@@ -131,6 +130,17 @@ class Checkpointer:
     def mid_epoch(self) -> bool:
         """True when the loader stands inside an epoch (some of its batches handed out)."""
         return self.loader is not None and self.loader.state_dict()["samples_done"] > 0
+
+    def _last_batch_out(self) -> bool:
+        """Every batch of the epoch handed out (its end, evaluation say, may be to come)."""
+        if self.resumed and self.global_step == self._first_step:  # not moved since the resume
+            return self._resumed_at_end
+        return self.loader is not None and self.loader.at_last_batch
+
+    def _where(self, mid: str = "") -> str:
+        """' (epoch 2)', ' (end of epoch 3)': the position for the stop and resume lines."""
+        state = self.loader.state_dict() if self.loader is not None else None
+        return where(state, self._last_batch_out(), mid)
 
     # ------------------------------------------------------------------ the step
     def step(self, global_step: Optional[int] = None) -> Optional[Path]:
@@ -193,8 +203,8 @@ class Checkpointer:
         what = (f"checkpoint {saved} saved {when}" if saved else
                 "nothing saved" if self.directory is None else
                 f"checkpoint saved in {self.directory}")
-        epoch = f" (epoch {self.epoch + 1})" if self.loader is not None else ""
-        comm.print0(f"stopped by {signal_name(signum)} at step {self.global_step}{epoch}: {what}")
+        comm.print0(f"stopped by {signal_name(signum)} at step {self.global_step}"
+                    f"{self._where()}: {what}")
         raise StopRequested(signum)
 
     def close(self) -> None:
@@ -311,9 +321,10 @@ class Checkpointer:
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
         loader = self.loader.state_dict() if self.loader is not None else None
         parts = {k: v.state_dict() if v is not None else None for k, v in self.parts.items()}
-        _check_extra_names(self.extra)  # names may have been added since
+        check_extra_names(self.extra)  # names may have been added since
         extras = {k: v.state_dict() if stateful(v) else v for k, v in self.extra.items()}
-        progress = {"epoch": self.epoch, "step": self.global_step, "mid_epoch": self.mid_epoch}
+        progress = {"epoch": self.epoch, "step": self.global_step, "mid_epoch": self.mid_epoch,
+                    "last_batch_out": self.mid_epoch and self._last_batch_out()}
         if isinstance(getattr(self.loader, "batch_size", None), int):  # said on another world size
             progress["global_batch"] = self.loader.batch_size * self.rt.world_size
         return {**weights, **parts, **extras, "loader": loader, "progress": progress,
@@ -348,9 +359,8 @@ class Checkpointer:
         self._load_position(ckpt)
         self.resumed = chosen
         # numbered as the stop line numbers it: "at step 9 (epoch 2)", epochs from 1
-        where = (f" (epoch {self.epoch + 1}{', mid-epoch' if self.mid_epoch else ''})"
-                 if self.loader is not None else "")
-        comm.print0(f"resumed from {chosen} at step {self.global_step}{where}")
+        comm.print0(f"resumed from {chosen} at step {self.global_step}"
+                    f"{self._where(', mid-epoch')}")
         return chosen
 
     def _load_position(self, ckpt: Dict[str, Any]) -> None:
@@ -360,50 +370,10 @@ class Checkpointer:
         if self.loader is not None and ckpt.get("loader") is not None:
             self.loader.load_state_dict(next_position(ckpt["loader"], progress))
         self._epoch = int(progress["epoch"])
+        self._resumed_at_end = bool(progress.get("last_batch_out"))
         if ckpt.get("world_size") == self.rt.world_size:  # per-rank streams: the same ranks only
             set_rng_state(ckpt["rng"][self.rt.rank])
         else:
             comm.print0(world_change_line(ckpt.get("world_size"), self.rt.world_size,
                                           self.global_step, self.loader, self.model,
                                           ckpt["progress"].get("global_batch")))
-
-
-def _check_options(every_steps: Any, every_minutes: Any, keep: Any,
-                   extra: Optional[Mapping[str, Any]], mtbf_hours: Any) -> None:
-    if every_steps != "auto" and (isinstance(every_steps, bool) or
-                                  not isinstance(every_steps, int) or every_steps < 0):
-        raise ConfigError(f"every_steps must be an integer >= 0 (0: off) or 'auto', got "
-                          f"{every_steps!r}")
-    if isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float)) or \
-            not 0 < mtbf_hours < float("inf"):  # a positive finite number of hours
-        raise ConfigError(f"mtbf_hours must be hours > 0 between failures, got {mtbf_hours!r}")
-    if not isinstance(every_minutes, (int, float)) or every_minutes < 0:
-        raise ConfigError(f"every_minutes must be a number >= 0 (0: off), got {every_minutes!r}")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ConfigError(f"keep must be an integer >= 1 (checkpoints to keep), got {keep!r}")
-    _check_extra_names(extra or {})
-
-
-def _check_extra_names(extra: Mapping[str, Any]) -> None:
-    clash = sorted(set(extra) & _RESERVED)
-    if clash:
-        raise ConfigError(f"extra names {clash} are taken by the checkpoint itself; rename them "
-                          f"(reserved: {', '.join(sorted(_RESERVED))})")
-
-
-def _check_parts(model: Any, loader: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model= must be the nn.Module you train, got {type(model).__name__}")
-    if loader is not None and not all(hasattr(loader, a) for a in
-                                      ("state_dict", "load_state_dict", "at_last_batch")):
-        raise ConfigError(f"loader= must be a loader from rt.loader(...) (it knows its place in "
-                          f"the epoch), got {type(loader).__name__}; build it with rt.loader, or "
-                          "leave loader= out and keep the position in extra=")
-
-
-def _check_same_on_every_rank(directory: Any) -> None:
-    # Saving and resuming are collectives: a directory on rank 0 only would hang the others.
-    given = comm.gather_object(directory is not None)
-    if len(set(given)) > 1:
-        raise ConfigError("rt.checkpointer(directory=...) was given on some ranks and None on "
-                          "others; give the same directory on every rank (rank 0 alone writes)")
