@@ -60,6 +60,21 @@ class Ledger(Hook):
             os.kill(os.getpid(), self.signal)  # SIGKILL: a real crash, no cleanup, no exception
 
 
+def slow_checkpoint_fsync(seconds):
+    """Each fsync of a checkpoint (its files and directory) takes ``seconds`` longer: a slow
+    disk. Each one says so first on the writing rank, so a test can signal during a save."""
+    real = os.fsync
+
+    def slow(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if "ckpt" in (os.path.basename(path), os.path.basename(os.path.dirname(path))):
+            print(f"slow fsync of {os.path.basename(path)}", flush=True)
+            time.sleep(seconds)
+        real(fd)
+
+    os.fsync = slow
+
+
 def train(out, epochs=3, batch=8, resume=None, max_steps=None, kill_rank=-1, kill_step=-1,
           attempt=None, every_steps=2, kill_signal=signal.SIGKILL, backend=None, engine="auto"):
     rt = ddpkit.setup(seed=0, deterministic=True, backend=backend, engine=engine)
@@ -91,7 +106,11 @@ def main():
     p.add_argument("--signal", default="SIGKILL", help="what --kill-rank gets at --kill-step")
     p.add_argument("--backend", default=None, help="process group backend (gloo: ranks share a GPU)")
     p.add_argument("--engine", default="auto", help="ddp (auto), fsdp, ...")
+    p.add_argument("--slow-fsync", type=float, default=0.0, help="seconds added to each fsync "
+                   "of a checkpoint")
     args = p.parse_args()
+    if args.slow_fsync:
+        slow_checkpoint_fsync(args.slow_fsync)
     # Under --max-restarts a restarted worker must resume: "auto" starts fresh when there is none.
     train(args.out, epochs=args.epochs, resume="auto", kill_rank=args.kill_rank,
           kill_step=args.kill_step, kill_signal=getattr(signal, args.signal), backend=args.backend,

@@ -99,7 +99,10 @@ def test_a_stop_signal_to_the_launcher_is_one_line_and_leaves_nothing(tmp_path, 
     if sig != signal.SIGINT:  # preemption: the step finishes on every rank, then a checkpoint
         assert f"stopped by {signal.Signals(sig).name} at step" in out
         step = int(out.split(" at step ")[1].split()[0])
-        assert (tmp_path / "run" / "checkpoints" / f"ckpt-{step:09d}.pt").exists()
+        # that step's checkpoint, or the save the signal came during (or before): row 10
+        saved = out.split("): checkpoint ")[1].split()[0]
+        assert os.path.isfile(saved) and saved.startswith(str(tmp_path / "run" / "checkpoints"))
+        assert 0 <= step - int(saved[-12:-3]) <= 30, out[-2000:]
 
 
 def test_sigterm_to_one_rank_stops_all_at_one_step_and_the_resumed_run_is_exact(
@@ -167,6 +170,34 @@ def test_a_stop_after_the_last_step_then_the_resume_command_says_the_run_is_comp
     last = [line for line in first.stdout.splitlines() if line.startswith("epoch 2/2")][0]
     assert results["epochs"] == 2 and results["steps"] == 16
     assert f"eval loss {results['final']['eval/loss']:.4f}" in last
+
+
+def test_sigterm_during_a_slow_save_ends_the_stop_with_that_save(tmp_path):
+    # Issue 55 row 10: each fsync of a checkpoint takes 1 s (4 a save); SIGTERM reaches the
+    # launcher as rank 0 writes step 2's. The ranks notice at step 3, and once saved step 3
+    # too, which could outlast the grace period (no stop line, rank 0 killed mid-save).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2",
+         os.path.join(HERE, "resume_script.py"), "--out", str(tmp_path), "--epochs", "1",
+         "--slow-fsync", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=CLEAN)
+    try:
+        for line in proc.stdout:
+            if line.startswith("slow fsync of ckpt-000000002.pt"):
+                break
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    assert "slow fsync of ckpt-000000003" not in out, out  # no second save
+    stop = [line for line in out.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert len(stop) == 1 and stop[0].startswith(
+        f"stopped by SIGTERM at step 3 (epoch 1): checkpoint {tmp_path}/ckpt/ckpt-000000002.pt "
+        "(step 2) saved "), out
+    assert time.monotonic() - start < 8 and not _left_behind(str(tmp_path))
 
 
 def test_a_stopped_rank_is_named_with_its_stack_and_the_job_ends_soon_after_the_timeout(

@@ -1,9 +1,13 @@
-"""Where a run stands (checkpoint/position.py), in one process: the words of the stop and
-resume lines, a finished run resumed. With real launchers and signals: test_chaos.py."""
+"""Where a run stands and how a stop ends (checkpoint/position.py), in one process: the words of
+the stop and resume lines, a finished run resumed, the grace warning. With real launchers and
+signals: test_chaos.py."""
+import os
+import time
+
 import torch
 from torch import nn
 
-from ddpkit.checkpoint.position import where
+from ddpkit.checkpoint.position import save_outlived_signal, where
 from ddpkit.loop import CheckpointPolicy, fit
 from test_loop import data, model, runtime
 
@@ -15,6 +19,13 @@ def test_the_words_for_a_position_count_epochs_from_1_and_say_an_epochs_end():
     assert where({"epoch": 1, "samples_done": 16}, False, ", mid-epoch") == " (epoch 2, mid-epoch)"
     assert where({"epoch": 1, "samples_done": 40}, True, ", mid-epoch") == " (end of epoch 2)"
     assert where({"epoch": 3, "samples_done": 0}, False) == " (end of epoch 3)"  # not "epoch 4"
+
+
+def test_a_stop_ends_with_a_save_complete_after_its_signal_and_only_then():
+    assert save_outlived_signal(100.0, 104.5)       # under way when it came
+    assert not save_outlived_signal(104.6, 104.5)   # before it: the stop saves
+    assert save_outlived_signal(None, 104.5)        # the signal reached another rank
+    assert not save_outlived_signal(100.0, None) and not save_outlived_signal(None, None)
 
 
 def _own_loop(directory, epochs, stop_at=None):
@@ -77,3 +88,19 @@ def test_a_run_ended_by_max_steps_resumed_gets_the_final_evaluation_its_checkpoi
     assert again.history[-1]["stopped_at_step"] == 3
     assert again.history[-1]["eval/loss"] == first.history[-1]["eval/loss"]
 
+
+def test_a_save_slower_than_the_grace_period_warns_though_the_first_was_fast(
+        tmp_path, monkeypatch, capsys):
+    # a disk that slows down: the warning was only ever weighed at the first timed save
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "0.5")
+    rt, net = runtime(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ckpt = rt.checkpointer(tmp_path, model=net, optimizer=opt, every_steps=1)
+    real = os.fsync
+    for step in range(3):
+        if step == 2:
+            monkeypatch.setattr(os, "fsync", lambda fd: (time.sleep(0.3), real(fd)))
+        ckpt.step()
+    ckpt.close()
+    warned = [line for line in capsys.readouterr().out.splitlines() if "grace" in line]
+    assert len(warned) == 1 and "kills the workers 0.5 s after it" in warned[0], warned

@@ -23,7 +23,7 @@ from ..observe import own_directory
 from .advice import (AUTO_FIRST_SAVE, auto_cadence_line, cadence_line, grace_line,
                      restarts_allowed, world_change_line, young_daly_steps)
 from ..seed import rng_state, set_rng_state
-from .position import where
+from .position import save_outlived_signal, where
 from .shared_dir import check_shared
 from .restore import load_parts, load_weights, next_position, not_this_run, stateful
 from .sharded import (async_group, async_writer, is_sharded, remove_shards, save_shards,
@@ -100,7 +100,7 @@ class Checkpointer:
         self._epoch = 0               # without a loader: the epoch a resumed checkpoint names
         self._last_save_time = time.monotonic()
         self._first_step, self._stop_every = 0, 1
-        self._cadence_said = False
+        self._cadence_said = self._grace_said = False
         self._resumed_at_end = False  # the checkpoint resumed from was after its epoch's last batch
         self._graceful = contextlib.ExitStack()
         #: asynchronous saves (None: each save writes before the step goes on)
@@ -191,21 +191,31 @@ class Checkpointer:
         return step % self._stop_every == 0
 
     def stop(self, signum: int, saved: Optional[Path] = None, saved_now: bool = False) -> None:
-        """Save (unless ``saved_now``) and leave with 128 + ``signum``: every rank calls it."""
+        """Save (unless ``saved_now``, or a save ended after the signal came: that one is the
+        stop's) and leave with 128 + ``signum``: every rank calls it."""
         self.rt.stops.settle()
         if not saved_now:
-            saved = self.save()
+            saved = self._save_for_stop()
         self.wait()  # the stop's checkpoint is on disk before the exit
         # another rank may have asked first: this one got its own signal later, or none
         got = self.rt.stops.received_at
         when = (f"{max(0.0, time.monotonic() - got):.1f} s after the signal" if got is not None
                 else "(the signal reached another rank)")
-        what = (f"checkpoint {saved} saved {when}" if saved else
+        held = f" (step {self.saved_step})" if self.saved_step != self.global_step else ""
+        what = (f"checkpoint {saved}{held} saved {when}" if saved else
                 "nothing saved" if self.directory is None else
                 f"checkpoint saved in {self.directory}")
         comm.print0(f"stopped by {signal_name(signum)} at step {self.global_step}"
                     f"{self._where()}: {what}")
         raise StopRequested(signum)
+
+    def _save_for_stop(self) -> Optional[Path]:
+        # A save complete after the signal (under way when it came, say) ends the stop: a
+        # second one, on a slow disk, could outlast the launcher's grace period. Every rank votes.
+        saved_at = self._last_save_time if self.saved_step is not None else None
+        if comm.reduce(int(save_outlived_signal(self.rt.stops.received_at, saved_at)), "min"):
+            return self.last_saved
+        return self.save()
 
     def close(self) -> None:
         """The loop is over (every rank): a stop signal that came during the last steps still
@@ -265,14 +275,16 @@ class Checkpointer:
         if self._auto_mtbf is not None and measured > 0:
             self._choose_cadence((began - self._started) / measured,
                                  self._last_save_time - began)
+        per_step, save_s = (began - self._started) / max(1, measured), self._last_save_time - began
         if not self._cadence_said and measured > 0:   # said once, after the first timed save
             self._cadence_said = True
-            per_step, save_s = (began - self._started) / measured, self._last_save_time - began
             if restarts_allowed():
                 comm.print0(cadence_line(self.every_steps, self.every_minutes, per_step, save_s))
-            warning = grace_line(per_step, save_s)
-            if warning:
-                comm.print0(warning)
+        # every timed save until said: a disk can slow down after the first
+        warning = grace_line(per_step, save_s) if not self._grace_said and measured > 0 else None
+        if warning:
+            self._grace_said = True
+            comm.print0(warning)
         return path
 
     def _choose_cadence(self, step_s: float, save_s: float) -> None:

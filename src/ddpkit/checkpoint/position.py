@@ -1,4 +1,5 @@
-"""Where a run stands, in the words of the stop and resume lines (epochs counted from 1).
+"""Where a run stands, in the words of the stop and resume lines (epochs counted from 1), and
+which save a stop ends with.
 
 Example::
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-__all__ = ["where"]
+__all__ = ["where", "save_outlived_signal"]
 
 
 def where(loader_state: Optional[Mapping[str, Any]], last_batch_out: bool,
@@ -32,3 +33,18 @@ def where(loader_state: Optional[Mapping[str, Any]], last_batch_out: bool,
         return f" (end of epoch {epoch + 1})"
     return f" (epoch {epoch + 1}{mid})"
 
+
+def save_outlived_signal(received_at: Optional[float], saved_at: Optional[float]) -> bool:
+    """This rank's vote on ending a stop with the last save instead of a new one: yes when that
+    save was complete (staged, with ``async_save``) after this rank's signal came, so it holds a
+    state from after it (it was under way, or began after it); yes without a signal here (the
+    ranks that got it decide); no before any save. A second save of a slow disk can outlast
+    the launcher's grace period, killing the ranks before any stop line.
+
+    Example::
+
+        save_outlived_signal(received_at=100.0, saved_at=104.5)   # True: it ended after it
+    """
+    if saved_at is None:
+        return False
+    return received_at is None or received_at <= saved_at
