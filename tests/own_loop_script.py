@@ -71,12 +71,13 @@ def build(rt, hidden=32):
 
 def own_loop(rt, args):
     model, opt, sched = build(rt, args.hidden)
-    loader = rt.loader(Augmented(), batch_size=8, seed=7, num_workers=args.workers)
+    loader = rt.loader(Augmented(), batch_size=args.batch, seed=7, num_workers=args.workers)
     val_set = Augmented(n=40, seed=5)
     ckpt = rt.checkpointer(os.path.join(args.out, "ckpt"), model=model, optimizer=opt,
                            scheduler=sched, loader=loader, every_steps=args.every, keep=2,
                            extra={"evals": []}, async_save=args.async_save)
-    ledger = Ledger(args.out, rt.rank, attempt(rt, args), rt.world_size,
+    ledger = Ledger(args.out, rt.rank, ckpt.global_step if args.ledger_by_step else
+                    attempt(rt, args), rt.world_size,
                     (ckpt.epoch, loader.state_dict()["samples_done"]))
     for epoch in range(ckpt.epoch, args.epochs):
         loader.set_epoch(epoch)  # as scripts written for DistributedSampler do: harmless here
@@ -137,7 +138,7 @@ class _LedgerHook(ddpkit.Hook):
 
 def with_fit(rt, args):
     model, opt, sched = build(rt, args.hidden)
-    loader = rt.loader(Augmented(), batch_size=8, seed=7, num_workers=args.workers)
+    loader = rt.loader(Augmented(), batch_size=args.batch, seed=7, num_workers=args.workers)
     state = ddpkit.fit(
         rt, model, opt, loader, epochs=args.epochs, scheduler=sched, scheduler_interval="step",
         accum_steps=args.accum, progress=False, hooks=[_LedgerHook(args)],
@@ -165,6 +166,10 @@ def main():
     p.add_argument("--fit", action="store_true", help="train with ddpkit.fit instead")
     p.add_argument("--async-save", action="store_true", help="checkpoints written in the background")
     p.add_argument("--engine", default="auto", help="ddp (auto) or fsdp")
+    p.add_argument("--batch", type=int, default=8, help="global batch")
+    p.add_argument("--ledger-by-step", action="store_true",
+                   help="name each round's ledger by the step it resumed from, not the restart "
+                        "count (a replaced node's launcher counts its restarts from 0)")
     p.add_argument("--backend", default=None, help="process group backend (gloo: ranks share a GPU)")
     args = p.parse_args()
     rt = ddpkit.setup(seed=0, deterministic=True, engine=args.engine, backend=args.backend)
