@@ -149,7 +149,7 @@ def with_fit(rt, args):
     return model, state.step, []
 
 
-def main():
+def parser():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--epochs", type=int, default=3)
@@ -171,7 +171,11 @@ def main():
                    help="name each round's ledger by the step it resumed from, not the restart "
                         "count (a replaced node's launcher counts its restarts from 0)")
     p.add_argument("--backend", default=None, help="process group backend (gloo: ranks share a GPU)")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = parser().parse_args()
     rt = ddpkit.setup(seed=0, deterministic=True, engine=args.engine, backend=args.backend)
     model, steps, evals = (with_fit if args.fit else own_loop)(rt, args)
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()

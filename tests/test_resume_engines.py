@@ -2,7 +2,6 @@
 script's own loop, at the same and at another world size. A check added for one kind of checkpoint
 (the refusal of a plain state_dict as ``--resume``) once refused FSDP's sharded checkpoints, which
 hold no ``model`` key: every user's FSDP run of ``ddpkit train`` could not be resumed."""
-import argparse
 import json
 import os
 import re
@@ -24,9 +23,8 @@ ROUNDS = {"ddp": [(2, 1), (2, 2), (1, 3)], "fsdp": [(2, 1), (2, 2), (1, 3)],
 
 
 def _attempt(out, entry, engine, epochs, attempt):
-    args = argparse.Namespace(out=out, epochs=epochs, workers=0, accum=1, every=3, eval_every=0,
-                              kill_rank=-1, kill_step=-1, signal="SIGKILL", kill_delay=0.0,
-                              hidden=16, attempt=attempt, async_save=False)
+    args = own_loop_script.parser().parse_args(  # the script's defaults: new options come along
+        ["--out", out, "--epochs", str(epochs), "--hidden", "16", "--attempt", str(attempt)])
     rt = ddpkit.setup(seed=0, deterministic=True, engine=engine)
     try:
         _, steps, _ = (own_loop_script.with_fit if entry == "fit" else
