@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..cost.lowrank import BatchedPowerSGD, batched_powersgd_hook
 from ..cost.model import DEFAULT_RANKS
 from ..wrap import WrapOptions
+from .buckets import install_steady_buckets
 from .torchdist import TorchEngine
 
 __all__ = ["DDPEngine", "bf16_compress_any_backend", "register_comm_hook", "comm_hook_for",
@@ -63,6 +64,7 @@ class DDPEngine(TorchEngine):
                 options.bucket_cap_mb)
         elif options.comm_hook:
             register_comm_hook(ddp, options.comm_hook, options)
+        install_steady_buckets(ddp)  # after "auto"'s: it runs first and may choose no hook
         return ddp
 
 
