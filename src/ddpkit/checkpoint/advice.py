@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -118,10 +118,11 @@ def _duration(seconds: float) -> str:
 
 
 def world_change_line(before: Any, now: int, step: int, loader: Any = None,
-                      model: Any = None, saved_batch: Any = None) -> str:
+                      model: Any = None, saved_batch: Any = None,
+                      unmapped: Sequence[str] = ()) -> str:
     """The line for a checkpoint resumed on another number of processes: the step, how the
     global batch is split now (``saved_batch``: the checkpoint's, when it says), and what is not
-    the same (random streams, BatchNorm).
+    the same (random streams, ``unmapped``: the extras saved per rank, BatchNorm).
 
     Example::
 
@@ -144,6 +145,12 @@ def world_change_line(before: Any, now: int, step: int, loader: Any = None,
                         f"{'' if split is None else f' ({split} a rank)'}; the epoch goes on "
                         "with every sample once")
     said.append("each rank's random stream starts afresh")
+    if unmapped:
+        many = len(unmapped) > 1
+        said.append(f"extra{'s' if many else ''} {', '.join(map(repr, unmapped))} differed per "
+                    f"rank when saved on {before} ranks: each rank starts "
+                    f"{'them from their initial values' if many else 'it from its initial value'}"
+                    " (given in extra=)")
     norms = _unsynced_batchnorm(model)
     if norms:
         said.append(f"warning: {norms} BatchNorm layer{'s' if norms > 1 else ''} normalise each "

@@ -20,7 +20,7 @@ __all__ = ["check_options", "check_extra_names", "check_parts", "check_same_on_e
 # Names the checkpoint itself uses: extras cannot take them.
 RESERVED = frozenset({"model", "optimizer", "scheduler", "precision", "scaler", "loader",
                       "progress", "rng", "world_size", "config", "meta", "sharded",
-                      "extra_names"})
+                      "extra_names", "extra_per_rank"})
 
 
 def check_options(every_steps: Any, every_minutes: Any, keep: Any,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
@@ -25,6 +25,7 @@ from .advice import (AUTO_FIRST_SAVE, auto_cadence_line, cadence_line, grace_lin
 from ..seed import rng_state, set_rng_state
 from .position import save_outlived_signal, where
 from .shared_dir import check_shared
+from .per_rank import gather_extras
 from .restore import load_parts, load_weights, next_position, not_this_run, stateful
 from .sharded import (async_group, async_writer, is_sharded, remove_shards, save_shards,
                       start_shards)
@@ -50,7 +51,11 @@ class Checkpointer:
     A checkpoint holds the unwrapped model, the optimizer, ``scheduler``, ``scaler`` (a
     ``GradScaler``) or ``precision``, the loader's position (mid-epoch included, on any number
     of ranks), every rank's RNG and ``extra``: values (kept in :attr:`extra`, restored there)
-    or objects with ``state_dict`` / ``load_state_dict`` (restored in place). Writes are
+    or objects with ``state_dict`` / ``load_state_dict`` (restored in place). Stored once:
+    the weights (under DDP), optimizer, scheduler, scaler, loader position and each extra
+    equal on every rank; per rank (each rank restores its own): the RNG streams and each extra
+    that differs between ranks (an LSTM's hidden state, say; on another number of ranks it
+    starts from its value in ``extra``, said in one line). Writes are
     atomic; the newest ``keep`` are kept. FSDP models save shards that any world size can read.
     ``async_save=True``: a save blocks the step only for a copy of the state into host memory
     (reused); rank 0 writes it in the background, one save in flight at a time, and a
@@ -335,12 +340,13 @@ class Checkpointer:
         parts = {k: v.state_dict() if v is not None else None for k, v in self.parts.items()}
         check_extra_names(self.extra)  # names may have been added since
         extras = {k: v.state_dict() if stateful(v) else v for k, v in self.extra.items()}
+        extras = gather_extras(extras)  # a collective: those that differ are kept per rank
         progress = {"epoch": self.epoch, "step": self.global_step, "mid_epoch": self.mid_epoch,
                     "last_batch_out": self.mid_epoch and self._last_batch_out()}
         if isinstance(getattr(self.loader, "batch_size", None), int):  # said on another world size
             progress["global_batch"] = self.loader.batch_size * self.rt.world_size
         return {**weights, **parts, **extras, "loader": loader, "progress": progress,
-                "extra_names": sorted(extras), "rng": comm.gather_object(rng_state()) if rng else None,
+                "rng": comm.gather_object(rng_state()) if rng else None,
                 "world_size": self.rt.world_size, "config": self.config,
                 "meta": checkpoint_metadata()}
 
@@ -367,15 +373,15 @@ class Checkpointer:
             return None
         ckpt = found[1] if found else load_checkpoint(chosen, map_location="cpu")
         load_weights(self.model, self.optimizer, ckpt, Path(chosen))
-        load_parts(self.parts, self.extra, ckpt)
-        self._load_position(ckpt)
+        unmapped = load_parts(self.parts, self.extra, ckpt)  # per rank, on another world size
+        self._load_position(ckpt, unmapped)
         self.resumed = chosen
         # numbered as the stop line numbers it: "at step 9 (epoch 2)", epochs from 1
         comm.print0(f"resumed from {chosen} at step {self.global_step}"
                     f"{self._where(', mid-epoch')}")
         return chosen
 
-    def _load_position(self, ckpt: Dict[str, Any]) -> None:
+    def _load_position(self, ckpt: Dict[str, Any], unmapped: Sequence[str] = ()) -> None:
         progress = ckpt["progress"]
         self.global_step = self._first_step = int(progress["step"])
         self.rt.heartbeat.step(self.global_step)
@@ -388,4 +394,4 @@ class Checkpointer:
         else:
             comm.print0(world_change_line(ckpt.get("world_size"), self.rt.world_size,
                                           self.global_step, self.loader, self.model,
-                                          ckpt["progress"].get("global_batch")))
+                                          ckpt["progress"].get("global_batch"), unmapped))

@@ -11,12 +11,14 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Mapping, MutableMapping, Optional
+from typing import Any, Dict, List, Mapping, MutableMapping, Optional
 
 from torch import nn
 
+from .. import comm
 from .compat import (check_compatible, check_optimizer_compatible, named_model_differs,
                      other_model, plain_state)
+from .per_rank import own_extras
 from .sharded import is_sharded, load_full_state, load_shards
 from ..wrap import unwrap
 
@@ -67,18 +69,21 @@ def not_this_run(ckpt: Dict[str, Any], model: nn.Module,
 
 
 def load_parts(parts: Mapping[str, Any], extra: MutableMapping[str, Any],
-               ckpt: Dict[str, Any]) -> None:
+               ckpt: Dict[str, Any]) -> List[str]:
     """Restore the named parts (scheduler, scaler, precision) and the extras: objects with
-    ``load_state_dict`` and the script's own lists and dicts in place, other values replaced.
+    ``load_state_dict`` and the script's own lists and dicts in place, other values replaced;
+    an extra saved per rank from this rank's entry. Returns the extras saved per rank that
+    another number of ranks cannot map (they keep their values, on every rank).
 
     Example::
 
-        load_parts({"scheduler": sched, "scaler": None}, ckpt_obj.extra, ckpt)
+        load_parts({"scheduler": sched, "scaler": None}, ckpt_obj.extra, ckpt)   # []
     """
     for name, part in parts.items():
         if part is not None and ckpt.get(name) is not None:
             part.load_state_dict(ckpt[name])
-    for name, value in _saved_extras(ckpt).items():
+    mine, left = own_extras(ckpt, _saved_extras(ckpt), comm.rank(), comm.world_size())
+    for name, value in mine.items():
         current = extra.get(name)
         if stateful(current):
             current.load_state_dict(value)
@@ -87,6 +92,7 @@ def load_parts(parts: Mapping[str, Any], extra: MutableMapping[str, Any],
             (current.extend if isinstance(value, list) else current.update)(value)
         else:
             extra[name] = value
+    return left
 
 
 def next_position(loader: Dict[str, Any], progress: Dict[str, Any]) -> Dict[str, Any]:
