@@ -93,7 +93,7 @@ def test_a_full_disk_with_one_checkpoint_on_it_says_the_space_needed_not_keep_fe
                      errors[0]), errors[0]
     assert re.search(rf"; free at least [\d.]+ kB more on {small_disk} \(keeping fewer "
                      "checkpoints would not make room: only the newest intact checkpoint is "
-                     "left, and it stays\), then resume with `ddpkit train --config ", errors[0])
+                     r"left, and it stays\), then resume with `ddpkit train --config ", errors[0])
 
 
 @contextlib.contextmanager
