@@ -31,11 +31,15 @@ demo: $(VENV)/.installed
 # In two parts: the tests that bring up clusters of their own (network namespaces, Slurm, pods:
 # marked `alone`, they load both cores and time their nodes' rounds) run by themselves; then
 # the rest on 2 pytest workers at once (pytest-xdist; --dist loadfile keeps a file's tests and
-# fixtures on one worker), as most of their time is processes starting and waiting.
+# fixtures on one worker), as most of their time is processes starting and waiting. The last
+# line counts the processes that imported torch and the CPU they spent on it
+# (scripts/torch_imports.py): the suite's main cost, in a figure that does not move with the host.
 test: $(VENV)/.installed $(VENV)/.horovod slurm
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/python scripts/torch_imports.py start $(VENV)
 	$(BIN)/python -m pytest -q -m alone; alone=$$?; \
 	$(BIN)/python -m pytest -q -m "not alone" -n 2 --dist loadfile; rest=$$?; \
+	$(BIN)/python scripts/torch_imports.py report $(VENV); \
 	for rc in $$alone $$rest; do \
 		if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; done; \
 	if [ $$alone -ne 0 ]; then exit $$alone; fi; exit $$rest
@@ -44,7 +48,9 @@ test: $(VENV)/.installed $(VENV)/.horovod slurm
 # multinode or gpu; `make test` runs them all, and is what CI runs.
 check: $(VENV)/.installed
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/python scripts/torch_imports.py start $(VENV)
 	$(BIN)/python -m pytest -q -m "not slow and not multinode and not gpu"; rc=$$?; \
+	$(BIN)/python scripts/torch_imports.py report $(VENV); \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Only the tests that need a CUDA GPU (marked `gpu`; `make test` runs them too where CUDA is

@@ -38,6 +38,19 @@ def test_the_core_contract_names_every_core_module_and_the_layers_every_product(
                                 "ddpkit.plan", "ddpkit.job", "ddpkit.launchers"]
 
 
+def test_import_ddpkit_loads_no_product():
+    """The root package is exempt from the core contract (products are its submodules), so its
+    own imports are read here: a product (the launchers, torchrun's agent with them) loads only
+    when asked for, through the module's __getattr__ (``ddpkit.launch``)."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    eager = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
+             and not any(isinstance(f, ast.FunctionDef) and node in ast.walk(f)
+                         for f in tree.body)]
+    loaded = {(node.module or "").split(".")[0] for node in eager}
+    assert not loaded & PRODUCTS, f"ddpkit/__init__.py imports {sorted(loaded & PRODUCTS)}"
+    assert ddpkit.launch.__module__ == "ddpkit.launchers.spawn"  # still there, when asked for
+
+
 def test_every_engine_module_is_in_the_independence_contract():
     engines = {f"ddpkit.engines.{p.stem}" for p in (PACKAGE / "engines").glob("*.py")
                if p.stem not in ("__init__", "base", "torchdist",  # the shared parts

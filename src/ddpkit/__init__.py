@@ -59,7 +59,6 @@ try:
     from .accumulate import Accumulator
     from .errors import ConfigError, DDPKitError
     from .evaluate import evaluate
-    from .launchers.spawn import launch
     from .loop import CheckpointPolicy, FitConfig, Hook, fit
     from .precision import Precision
     from .checkpoint.checkpointer import Checkpointer
@@ -91,6 +90,15 @@ finally:
         _signal.signal(_signal.SIGINT, _signal.default_int_handler)
 
 from .version import __version__  # noqa: E402  isort: skip
+
+
+def __getattr__(name: str):  # PEP 562: the products load when asked for, not with the library
+    if name == "launch":  # a rank's `import ddpkit` loads no launcher (torchrun's agent among them)
+        from .launchers.spawn import launch
+
+        globals()["launch"] = launch
+        return launch
+    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 __all__ = [
     "setup", "Runtime", "launch", "fit", "FitConfig", "CheckpointPolicy", "Hook", "Precision",
