@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import torch_imports  # noqa: E402
@@ -15,8 +17,11 @@ def test_a_process_that_imports_torch_is_counted_and_the_report_removes_the_hook
     site.mkdir(parents=True)
     torch_imports.start(str(tmp_path))
     # one process importing torch (counted), one that does not (not counted)
+    # -S: not this venv's own site-packages, whose hook is active while make test counts
+    torch_dir = str(Path(torch.__file__).resolve().parent.parent)
     for code in ("import torch", "import json"):
-        subprocess.run([sys.executable, "-c", f"import site; site.addsitedir({str(site)!r}); "
+        subprocess.run([sys.executable, "-S", "-c", f"import site, sys; "
+                        f"site.addsitedir({str(site)!r}); sys.path.append({torch_dir!r}); "
                         f"{code}"], check=True, timeout=120)
     lines = (tmp_path / "torch-imports.log").read_text().splitlines()
     assert len(lines) == 1 and lines[0].split()[1] == "torch", lines
