@@ -55,7 +55,7 @@ class SteadyBuckets:
         self.first = False
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self.ready = [], {}   # no reference to the parameters kept
 
     def check(self, bucket: Any) -> None:
         """At the second step: were DDP's rebuilt buckets the first step's pieces?"""
@@ -108,10 +108,10 @@ def steady_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     if not state.first:
         state.check(bucket)
         return _mean(buffer, state).then(lambda fut: fut.value()[0])
-    if bucket.is_last():
-        state.done_with_first()
     params, grads = bucket.parameters(), bucket.gradients()
     layout = state.layout(params)
+    if bucket.is_last():
+        state.done_with_first()
     state.segments.extend([params[i] for i in piece] for piece in layout)
     for piece in layout:  # one at a time, each waited for: only at the first step
         part = [grads[i] for i in piece]
