@@ -55,8 +55,9 @@ class _Timed:
                 _Timed.loading.discard(name)
             try:
                 with open(LOG, "a") as f:
+                    test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
                     f.write(f"{{os.getpid()}} {{name}} {{time.process_time() - start:.3f}} "
-                            f"{{int(nested)}}\\n")
+                            f"{{int(nested)}} {{test or '-'}}\\n")
             except OSError:
                 pass
 
@@ -96,20 +97,26 @@ def report(venv: str) -> str:
             os.remove(os.path.join(site, name))
         except FileNotFoundError:
             pass
-    pids, cpu = set(), 0.0
+    pids, cpu, by_file = set(), 0.0, {}
     try:
         with open(log) as f:
             for line in f:
-                pid, name, seconds, nested = line.split()
+                pid, name, seconds, nested, *test = line.split()
                 if name == "torch":
                     pids.add(pid)
+                    where = test[0].split("::")[0] if test else "-"
+                    by_file[where] = by_file.get(where, 0) + 1
                 if nested == "0":
                     cpu += float(seconds)
     except (FileNotFoundError, ValueError):
         pass
-    return (f"torch imports: {len(pids)} Python process{'es' if len(pids) != 1 else ''} "
+    line = (f"torch imports: {len(pids)} Python process{'es' if len(pids) != 1 else ''} "
             f"imported torch, spending "
             f"{cpu:.0f} s of CPU importing it (torch, torch._dynamo)")
+    most = sorted(by_file.items(), key=lambda kv: -kv[1])[:5]
+    if most and len(pids) > 1:
+        line += "; most: " + ", ".join(f"{os.path.basename(k)} {n}" for k, n in most)
+    return line
 
 
 def main(argv: list) -> None:

@@ -26,6 +26,20 @@ def test_a_process_that_imports_torch_is_counted_and_the_report_removes_the_hook
     lines = (tmp_path / "torch-imports.log").read_text().splitlines()
     assert len(lines) == 1 and lines[0].split()[1] == "torch", lines
     assert float(lines[0].split()[2]) > 0
+    # the test that started the process (pytest's PYTEST_CURRENT_TEST, inherited)
+    assert lines[0].split()[4].startswith("tests/test_torch_imports.py::test_a_process"), lines
     line = torch_imports.report(str(tmp_path))
     assert line.startswith("torch imports: 1 Python process imported torch, spending "), line
     assert os.listdir(site) == []   # the hook is gone: later runs of the venv log nothing
+
+
+def test_the_report_names_the_test_files_that_started_the_most(tmp_path):
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (tmp_path / "torch-imports.log").write_text(
+        "1 torch 2.0 0 tests/test_a.py::one\n2 torch 2.0 0 tests/test_a.py::two\n"
+        "2 torch._dynamo 1.0 0 tests/test_a.py::two\n3 torch 2.0 0 tests/test_b.py::x\n"
+        "4 torch 2.0 0\n")                       # a line of the older form: no test named
+    line = torch_imports.report(str(tmp_path))
+    assert line == ("torch imports: 4 Python processes imported torch, spending 9 s of CPU "
+                    "importing it (torch, torch._dynamo); most: test_a.py 2, test_b.py 1, - 1")
