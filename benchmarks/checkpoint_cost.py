@@ -20,7 +20,7 @@ from torch import nn
 
 from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
 from ddpkit.job.models import resnet18
-from ddpkit.seed import rng_state
+from ddpkit.base.seed import rng_state
 
 
 def make_run(batch: int):

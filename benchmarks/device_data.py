@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ddpkit.job.config import TrainConfig
 from ddpkit.job.models import build_model
 from ddpkit.job.train import train
-from ddpkit.precision import gpu_math
+from ddpkit.training.precision import gpu_math
 
 
 def hand_written(device: torch.device, batch: int, steps: int, warmup: int, precision: str,

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 import ddpkit
-from ddpkit import comm
+from ddpkit.engines import comm
 from ddpkit.faults.stops import Stops
 
 

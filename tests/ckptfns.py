@@ -4,9 +4,9 @@ import os
 import torch
 
 import ddpkit
-from ddpkit import comm
+from ddpkit.engines import comm
 from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
-from ddpkit.errors import DDPKitError
+from ddpkit.base.errors import DDPKitError
 
 
 def save_then_fail(directory: str, not_a_directory: str):

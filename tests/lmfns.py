@@ -4,7 +4,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
-from ddpkit.loop import fit
+from ddpkit.training.loop import fit
 
 VOCAB, T = 11, 6
 

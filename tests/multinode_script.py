@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.loop import CheckpointPolicy, Hook, fit
+from ddpkit.training.loop import CheckpointPolicy, Hook, fit
 from resume_script import CLASSES, FEATURES, Indexed, Ledger
 
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import comm
+from ddpkit.engines import comm
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -95,7 +95,7 @@ def _counting_allreduce(state, bucket):
 
 def accumulate_run(accum: int, opt_steps: int, micro: int, use_no_sync: bool = True):
     """Parameters after `opt_steps` optimizer steps of `accum` micro-steps, and all-reduce count."""
-    from ddpkit.accumulate import Accumulator
+    from ddpkit.training.accumulate import Accumulator
 
     rt = ddpkit.setup()
     model = rt.wrap(tiny_model(), bucket_cap_mb=1024)
@@ -128,7 +128,7 @@ def sync_bn_on_cpu():
 
 def fit_run(epochs: int, global_batch: int, seed: int = 0):
     """Train the tiny model with ddpkit.fit; final parameters and history (same on any world size)."""
-    from ddpkit.loop import fit
+    from ddpkit.training.loop import fit
 
     rt = ddpkit.setup(seed=seed)
     x, y = full_batch(203, seed=11)  # odd size: the last batch is partial

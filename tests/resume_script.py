@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
-from ddpkit.loop import CheckpointPolicy, Hook, fit
+from ddpkit.training.loop import CheckpointPolicy, Hook, fit
 
 SAMPLES, FEATURES, CLASSES = 96, 8, 3
 

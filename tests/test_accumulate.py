@@ -3,9 +3,9 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.accumulate import Accumulator
-from ddpkit.errors import ConfigError
-from ddpkit.precision import Precision
+from ddpkit.training.accumulate import Accumulator
+from ddpkit.base.errors import ConfigError
+from ddpkit.training.precision import Precision
 
 
 class CountingSGD(torch.optim.SGD):

@@ -16,7 +16,7 @@ from ddpkit.checkpoint.background import Snapshot
 from ddpkit.checkpoint.files import load_checkpoint
 from ddpkit.checkpoint.write import SaveError
 from ddpkit.env.detect import ClusterEnv
-from ddpkit.runtime import Runtime
+from ddpkit.training.runtime import Runtime
 
 
 def runtime(device="cpu"):
@@ -271,7 +271,7 @@ def test_an_fsdp_background_save_gathers_the_rng_of_the_step_and_writes_it_after
     import numpy as np
 
     from ddpkit.checkpoint.background import BackgroundSaver, gathered_rng
-    from ddpkit.seed import rng_state
+    from ddpkit.base.seed import rng_state
     written, order = {}, []
 
     def write(state, directory, step, keep):

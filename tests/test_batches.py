@@ -9,9 +9,9 @@ from torch import nn
 
 import ddpkit
 import lmfns
-from ddpkit.data.batches import (aligned, batch_size_of, cross_entropy, loss_sum, step_sums,
+from ddpkit.training.batches import (aligned, batch_size_of, cross_entropy, loss_sum, step_sums,
                             to_device, topk_hits)
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from lmfns import VOCAB, DictTokens, HFStyle, TinyLM, tokens
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ from ddpkit.bench import ROWS, BenchConfig, parse_rows, plan_row, skip_reason
 from ddpkit.bench.rows import DEFAULT_ROWS
 from ddpkit.bench.report import (cpu_share, efficiency, median, percentile, render_table,
                                  repeat_figures, summarize)
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 
 CPU_CAPS = {"cuda_count": 0, "horovod_missing": "horovod is not installed", "native_bf16": False,
             "bf16_slowdown": 9.0}

@@ -4,7 +4,7 @@ memory even at what each holds once torch is imported, a warning with the number
 run asks for more processes than cores."""
 import pytest
 
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.launchers import torchrun
 from ddpkit.launchers.torchrun import RunConfig
 

@@ -131,12 +131,12 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_the_resumed_run_is_exact(
 STOP_AS_THE_RUN_CLOSES = """
 import os, signal
 if os.environ.get("RANK") == "0":  # a worker of the test's ddpkit train: SIGTERM after the
-    import ddpkit.log                # last step, its evaluation and save, as the logger closes
-    closing = ddpkit.log.RunLogger.close
+    import ddpkit.training.log                # last step, its evaluation and save, as the logger closes
+    closing = ddpkit.training.log.RunLogger.close
     def close(self):
         os.kill(os.getpid(), signal.SIGTERM)
         closing(self)
-    ddpkit.log.RunLogger.close = close
+    ddpkit.training.log.RunLogger.close = close
 """
 
 
@@ -239,7 +239,7 @@ def test_a_rank_that_exits_early_is_named_by_the_rank_that_waited(tmp_path):
     assert res.returncode == 1
     assert _lines(res.stderr) == [
         "error: rank 1 exited while this rank waited in collective all_reduce (called at "
-        "early.py:6 via ddpkit.comm.reduce): every rank must run the same collectives; look for "
+        "early.py:6 via ddpkit.engines.comm.reduce): every rank must run the same collectives; look for "
         "an early return, sys.exit or a loop that ends sooner on one rank (uneven data)",
         "ddpkit run: rank 0 failed (exit code 1; its error is printed above)"]
     assert time.monotonic() - start < 60
@@ -294,7 +294,7 @@ def test_with_three_ranks_one_report_names_the_stuck_one(tmp_path):
     assert time.monotonic() - start < 60
     errors = [line for line in _lines(res.stderr) if "error:" in line]
     assert len(errors) == 1 and "collective all_reduce timed out after 5 s (called at " \
-        "stuck.py:7 via ddpkit.comm.reduce" in errors[0], res.stderr
+        "stuck.py:7 via ddpkit.engines.comm.reduce" in errors[0], res.stderr
     assert "  rank 2 did not arrive (pid " in res.stderr and "no step finished" in res.stderr
     assert "stuck.py:6" in res.stderr  # its stack: where it stopped
     assert not _left_behind(str(script))

@@ -16,7 +16,7 @@ from ddpkit.checkpoint.files import (check_compatible, check_optimizer_compatibl
                                find_latest, list_checkpoints, load_checkpoint, resolve_resume,
                                save_checkpoint)
 from ddpkit.checkpoint.write import SaveError
-from ddpkit.errors import ConfigError, DDPKitError
+from ddpkit.base.errors import ConfigError, DDPKitError
 
 import ckptfns
 
@@ -393,7 +393,7 @@ def test_two_ranks_one_writer_and_a_rank0_failure_reaches_both(tmp_path):
 
 
 def test_rng_state_survives_a_checkpoint_written_on_another_device(tmp_path):
-    from ddpkit.seed import rng_state, set_rng_state
+    from ddpkit.base.seed import rng_state, set_rng_state
 
     torch.manual_seed(3)
     state = rng_state()

@@ -160,7 +160,7 @@ def test_a_timeout_names_the_ddpkit_function_the_script_called(monkeypatch):
     import torch
     import torch.distributed as tdist
 
-    from ddpkit import comm
+    from ddpkit.engines import comm
     from ddpkit.faults.crash import collective_timeout
     from ddpkit.engines import torchdist
 
@@ -179,7 +179,7 @@ def test_a_timeout_names_the_ddpkit_function_the_script_called(monkeypatch):
         comm.reduce(torch.tensor([1.0]))
     line = collective_timeout(info.value, info.tb)
     assert line.startswith("collective all_reduce timed out after 6 s (called at test_crash.py:")
-    assert " via ddpkit.comm.reduce; gloo: Timed out waiting 6000ms" in line
+    assert " via ddpkit.engines.comm.reduce; gloo: Timed out waiting 6000ms" in line
 
 
 def test_a_timeout_while_waiting_for_a_reduction_started_earlier_names_it():

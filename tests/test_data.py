@@ -14,7 +14,7 @@ from ddpkit.data.batch import split_batch
 from ddpkit.data.loader import (DistributedLoader, ResumableSampler, ShardSampler, make_loader,
                                 worker_seed)
 from ddpkit.env.detect import ClusterEnv
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 
 
 def _env(rank, world):

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import comm
+from ddpkit.engines import comm
 from ddpkit.checkpoint.files import find_latest, load_checkpoint
 from ddpkit.checkpoint.write import disk_full, no_space
-from ddpkit.errors import DDPKitError
+from ddpkit.base.errors import DDPKitError
 from ddpkit.checkpoint.sharded import _bare_disk_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import torch.distributed as tdist
 from ddpkit.env.dist import (DEFAULT_TIMEOUT, cpu_threads_per_process, init_process_group,
                          resolve_backend, resolve_init_method, select_device, shutdown)
 from ddpkit.env.detect import ClusterEnv, spawn_env
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 
 CPU = torch.device("cpu")
 CUDA0 = torch.device("cuda", 0)

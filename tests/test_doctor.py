@@ -92,7 +92,7 @@ def test_findings_of_a_broken_cluster_name_the_fix():
 
 def test_a_checkpoint_directory_the_nodes_do_not_share_fails_with_the_fix(tmp_path, monkeypatch):
     from ddpkit.doctor import cluster
-    from ddpkit.errors import JobSetupError
+    from ddpkit.base.errors import JobSetupError
 
     def blind(directory, num_nodes, wait_s):
         raise JobSetupError(f"checkpoint directory {directory} is not shared between the nodes: "

@@ -9,7 +9,7 @@ from torch import nn
 
 from ddpkit.cli.flags import parse_nnodes
 from ddpkit.faults.crash import PEER_LOSS_SUFFIX, note_peer_loss
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.check import check_every_world
 from ddpkit.job.config import TrainConfig
 from ddpkit.launchers import elastic

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import comm, engines
+from ddpkit import engines
+from ddpkit.engines import comm
 from ddpkit.engines.base import Engine
 from ddpkit.engines.none import NoneEngine
 from ddpkit.engines.torchdist import TorchEngine
@@ -21,9 +22,9 @@ from ddpkit.engines.horovod import HorovodEngine
 from ddpkit.env.detect import ClusterEnv
 from ddpkit.cli import build_parser
 from ddpkit.cli.train import resolve
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.config import config_from_dict
-from ddpkit.wrap import WrapOptions
+from ddpkit.base.wrap import WrapOptions
 
 
 def test_one_engine_per_name():

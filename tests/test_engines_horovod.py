@@ -12,10 +12,10 @@ import torch
 from ddpkit.engines import horovod as horovod_engine
 from ddpkit.engines.horovod import HorovodEngine
 from ddpkit.launchers import horovodrun as hvdrun
-from ddpkit.wrap import WrapOptions
+from ddpkit.base.wrap import WrapOptions
 from ddpkit.checkpoint.files import find_latest
 from ddpkit.job.config import TrainConfig
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.check import check_config
 
 from test_cli import ddpkit

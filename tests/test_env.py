@@ -2,7 +2,7 @@
 import pytest
 
 from ddpkit.env.detect import detect, spawn_env, to_environ
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",

@@ -11,11 +11,11 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import ddpkit
-from ddpkit import comm
-from ddpkit.data.batches import (default_loss, is_regression, loss_sum, regression_pair,
+from ddpkit.engines import comm
+from ddpkit.training.batches import (default_loss, is_regression, loss_sum, regression_pair,
                             step_outputs, step_sums, sum_count)
 from ddpkit.checkpoint.files import load_checkpoint
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.checkpoint.sharded import consolidate
 
 

@@ -14,7 +14,7 @@ from torch import nn
 import ddpkit
 import resume_script
 from ddpkit.engines.fsdp import shard_units
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.models import build_model
 
 from test_cli import ddpkit as run_cli, error_lines
@@ -172,7 +172,7 @@ def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path):
     script = tmp_path / "other.py"
     script.write_text(
         "import sys, torch, ddpkit\n"
-        "from ddpkit.loop import CheckpointPolicy, fit\n"
+        "from ddpkit.training.loop import CheckpointPolicy, fit\n"
         "rt = ddpkit.setup(engine='fsdp')\n"
         "model = rt.wrap(torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Linear(5, 3)))\n"
         "data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.zeros(16).long())\n"
@@ -205,8 +205,8 @@ def test_fsdp_evaluation_is_exact_with_uneven_shards():
 
 
 def _fit_with_everything(engine):
-    from ddpkit.loop import fit
-    from ddpkit.precision import Precision
+    from ddpkit.training.loop import fit
+    from ddpkit.training.precision import Precision
 
     rt = ddpkit.setup(engine=engine, seed=0)
     torch.manual_seed(0)
@@ -243,7 +243,7 @@ def test_language_model_job_under_fsdp_in_bf16_checkpoints_shards(tmp_path):
 def test_fsdp_without_a_torch_process_group_is_one_line():
     from ddpkit.engines.fsdp import FSDPEngine
     from ddpkit.env.detect import ClusterEnv
-    from ddpkit.wrap import WrapOptions
+    from ddpkit.base.wrap import WrapOptions
 
     two_ranks = ClusterEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
     with pytest.raises(ConfigError, match=r"^--engine fsdp needs torch.distributed's process "

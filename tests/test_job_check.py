@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.check import check_config
 from ddpkit.job.config import TrainConfig
 

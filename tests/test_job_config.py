@@ -9,7 +9,7 @@ import pytest
 
 from ddpkit.cli import build_parser
 from ddpkit.job.config import TrainConfig, config_from_dict, load_config_file, merge
-from ddpkit.errors import ConfigError, DDPKitError
+from ddpkit.base.errors import ConfigError, DDPKitError
 from ddpkit.cli.train import resolve
 
 

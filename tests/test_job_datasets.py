@@ -17,7 +17,7 @@ from ddpkit.job import datasets as ds_mod
 from ddpkit.job.datasets import (CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD,
                              available_datasets, build_dataset, cifar, digits, image_folder,
                              random_crop_flip, synthetic)
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 
 
 def check_item(dataset, channels: int, size: int) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.models import (MODELS, SmallCNN, available_models, build_model, format_count,
                            model_summary, resnet18, resnet34, resnet50)
 

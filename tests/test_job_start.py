@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddpkit.checkpoint.files import find_latest
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.config import TrainConfig
 from ddpkit.job.start import WORKER, inside_a_launcher, job_nproc, plan, start
 from ddpkit.launchers.torchrun import RunConfig

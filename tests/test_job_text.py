@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.config import TrainConfig
 from ddpkit.job.check import check_config
 from ddpkit.job.datasets import build_dataset

@@ -5,7 +5,7 @@ import pytest
 from ddpkit.cli import build_parser
 from ddpkit.cli.flags import from_pod, run_config
 from ddpkit.env.detect import detect
-from ddpkit.errors import ConfigError, JobSetupError
+from ddpkit.base.errors import ConfigError, JobSetupError
 from ddpkit.env.k8s import pod_launch
 from ddpkit.launchers.network import wait_resolvable
 from ddpkit.launchers.torchrun import resolve_nproc

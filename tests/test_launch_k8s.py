@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.launchers.k8s import AGENT_MARGIN, PORT, K8sJob, render_k8s, to_yaml
 
 K8S_VERSION = "1.37.0"   # the schemas kubernetes-validate 1.37.0 carries

@@ -10,7 +10,7 @@ import pytest
 
 from ddpkit.launchers import network as net
 from ddpkit.launchers import watchdog
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 
 ROUTE_REMOTE = "10.213.0.1 dev eth0 src 10.213.0.2 uid 0 \\    cache \n"
 ROUTE_LOCAL = "local 10.213.0.1 dev lo table local src 10.213.0.1 uid 0 \\    cache <local> \n"

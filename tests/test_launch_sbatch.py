@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.launchers.sbatch import render_sbatch
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ddpkit.errors import JobSetupError
+from ddpkit.base.errors import JobSetupError
 from ddpkit.launchers.srun import check_layout, is_first_task, step_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))

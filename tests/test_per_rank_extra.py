@@ -19,10 +19,10 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 import own_loop_script
-from ddpkit import comm
+from ddpkit.engines import comm
 from ddpkit.checkpoint.files import find_latest, load_checkpoint, save_checkpoint
 from ddpkit.env.detect import ClusterEnv
-from ddpkit.runtime import Runtime
+from ddpkit.training.runtime import Runtime
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from ddpkit.cli import main
 from ddpkit.cost.model import (LINKS, Link, allreduce_seconds, bandwidths, buckets, fit_link,
                               hook_cost, ring_allreduce_seconds, step_time)
 from ddpkit.cost.measure import Timing, repeat_timing, workload_of
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.plan.measure import job_input, parse_shape, rank_threads
 from ddpkit.plan.predict import Row, predict, recommend, synthetic_workload
 

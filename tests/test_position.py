@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ddpkit.checkpoint.position import save_outlived_signal, where
-from ddpkit.loop import CheckpointPolicy, fit
+from ddpkit.training.loop import CheckpointPolicy, fit
 from test_loop import data, model, runtime
 
 

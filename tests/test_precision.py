@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.errors import ConfigError
-from ddpkit.precision import POLICIES, Precision
+from ddpkit.base.errors import ConfigError
+from ddpkit.training.precision import POLICIES, Precision
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from ddpkit.cli import status_of
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["train", "--nproc", "1", "--epochs", "1", "--max-steps", "1", "--data", "synthetic",

@@ -13,7 +13,7 @@ import ddpkit
 from ddpkit.data import resident
 from ddpkit.data.loader import make_loader
 from ddpkit.env.detect import ClusterEnv
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.datasets import digits, synthetic
 from ddpkit.job.images import InMemoryImages, crop_flip_draws
 from ddpkit.job.train import train

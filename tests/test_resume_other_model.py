@@ -9,7 +9,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.config import TrainConfig
 from test_cli import ddpkit as run_cli, error_lines
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.job.rundir import LOCK_NAME, hold_run_dir
 from ddpkit.job.start import _holds_lock
 from ddpkit.launchers.torchrun import RunConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.errors import ConfigError, DDPKitError
+from ddpkit.base.errors import ConfigError, DDPKitError
 from ddpkit.env.slurm import (
     MAX_HOSTS,
     expand_nodelist,

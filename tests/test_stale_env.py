@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 
 from ddpkit.env.detect import detect, spawn_env, to_environ
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.launchers.network import free_port
 
 SCRIPT = """import ddpkit, torch

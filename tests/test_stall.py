@@ -82,7 +82,7 @@ def test_a_collective_one_rank_runs_alone_is_named_as_a_mismatch_within_10_s(tmp
     assert len(named) == 1 and named[0][0] < 10 and " is stuck: " not in text, text
     line = named[0][1]
     assert "rank 0 (at step 30) in all_reduce at stall_script.py:" in line and \
-        "via ddpkit.runtime.evaluate" in line, line
+        "via ddpkit.training.runtime.evaluate" in line, line
     assert "rank 1 (at step 30) in barrier at stall_script.py:" in line, line
     assert code == 1 and "timed out after 15 s" in text, text
 
@@ -317,7 +317,7 @@ def test_a_silent_rank_is_placed_after_the_step_the_others_finished_not_at_its_o
 
 def test_every_rank_waiting_in_different_collectives_is_named_as_a_mismatch_once():
     job = Job(3)
-    job.record(0, "waiting", still=6, site="all_reduce at train.py:15 via ddpkit.runtime.evaluate")
+    job.record(0, "waiting", still=6, site="all_reduce at train.py:15 via ddpkit.training.runtime.evaluate")
     for rank in (1, 2):
         job.record(rank, "waiting", still=6, site="barrier at train.py:18")
     job.watch._look_for_stuck(6.0)
@@ -326,7 +326,7 @@ def test_every_rank_waiting_in_different_collectives_is_named_as_a_mismatch_once
     first, last = job.reports[0].splitlines()
     assert first.startswith("ddpkit: every rank has waited 6 s in a collective, but not in the "
                             "same one: rank 0 (at step 7) in all_reduce at train.py:15 via "
-                            "ddpkit.runtime.evaluate; ranks 1, 2 (at step 7) in barrier at "
+                            "ddpkit.training.runtime.evaluate; ranks 1, 2 (at step 7) in barrier at "
                             "train.py:18. A collective that some ranks skip"), first
     assert last.startswith("ddpkit: the job keeps waiting")
 

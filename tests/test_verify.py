@@ -380,7 +380,7 @@ def test_a_run_that_hangs_is_stopped_with_its_ranks_and_one_line(tmp_path):
     """Past its timeout the run is killed, its ranks with it, and the wait ends: also a rank
     still importing when its launcher was killed (a loaded machine) stops at setup instead
     of sleeping on with the run's output open."""
-    from ddpkit.errors import ConfigError
+    from ddpkit.base.errors import ConfigError
 
     script = tmp_path / "hangs.py"
     script.write_text("import os\n"  # before the imports: a rank starting late is seen too

@@ -7,10 +7,10 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ddpkit.env.detect import ClusterEnv
-from ddpkit.errors import ConfigError
+from ddpkit.base.errors import ConfigError
 from ddpkit.engines import wrap_model
 from ddpkit.engines.ddp import register_comm_hook as _register_comm_hook
-from ddpkit.wrap import WrapOptions, unwrap
+from ddpkit.base.wrap import WrapOptions, unwrap
 
 CPU = torch.device("cpu")
 
@@ -129,7 +129,7 @@ def test_unknown_comm_hook_lists_choices():
 def test_wrapping_a_model_twice_is_one_config_error_at_the_call():
     """Issue 22, row 4: a second rt.wrap used to fail at the first backward (DDP bucket views)."""
     import copy
-    from ddpkit.runtime import Runtime
+    from ddpkit.training.runtime import Runtime
     rt = Runtime(ClusterEnv(), CPU, None)
     net = Net()
     wrapped = rt.wrap(net)

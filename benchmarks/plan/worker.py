@@ -70,7 +70,7 @@ def calibrate(rt, model, x, y, hooks):
 
     from ddpkit.cost.measure import time_hooks, workload_of
     from ddpkit.engines.ddp import comm_hook_for
-    from ddpkit.wrap import WrapOptions
+    from ddpkit.base.wrap import WrapOptions
 
     alone = [dist.new_group([r]) for r in range(rt.world_size)]   # every rank makes every group
     wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=alone[rt.rank])

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ddpkit
-import ddpkit.comm
+import ddpkit.engines.comm
 
 rt = ddpkit.setup(seed=0)
 g = torch.Generator().manual_seed(3)
@@ -17,7 +17,7 @@ loader = rt.loader(torch.utils.data.TensorDataset(x, y), batch_size=16)
 counts = torch.zeros(4)
 for _, yb in loader:                                          # count the labels first
     counts += torch.bincount(yb, minlength=4)
-counts = ddpkit.comm.reduce(counts, "sum")                   # over every rank's share
+counts = ddpkit.engines.comm.reduce(counts, "sum")                   # over every rank's share
 rt.print0("classes: " + " ".join(f"{int(c)}" for c in counts))
 model = rt.wrap(nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 4)))
 opt = torch.optim.Adam(model.parameters(), lr=1e-2)

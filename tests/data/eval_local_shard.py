@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ddpkit
-import ddpkit.comm
+import ddpkit.engines.comm
 
 p = argparse.ArgumentParser()
 p.add_argument("--fixed", action="store_true")
@@ -35,5 +35,5 @@ for epoch in range(3):
         correct = (model(vx[mine]).argmax(1) == vy[mine]).sum().float()
         total = torch.tensor(float(len(vy[mine])))
     if args.fixed:
-        correct, total = ddpkit.comm.reduce(correct), ddpkit.comm.reduce(total)
+        correct, total = ddpkit.engines.comm.reduce(correct), ddpkit.engines.comm.reduce(total)
     rt.print0(f"epoch {epoch} val accuracy {float(correct / total):.4f}")

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["Row", "ROWS", "DEFAULT_ROWS", "QUICK_ROWS", "parse_rows", "BenchConfig",
            "capabilities", "skip_reason", "plan_row"]

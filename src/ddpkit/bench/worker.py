@@ -11,14 +11,14 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
-from .. import comm
-from ..accumulate import Accumulator
-from ..data.batches import cross_entropy
+from ..engines import comm
+from ..training.accumulate import Accumulator
+from ..training.batches import cross_entropy
 from ..job.build import replicated_model
 from ..job.datasets import build_dataset, synthetic
 from ..job.models import LANGUAGE_MODELS, model_key
-from ..precision import Precision, gpu_math
-from ..runtime import Runtime, setup
+from ..training.precision import Precision, gpu_math
+from ..training.runtime import Runtime, setup
 
 __all__ = ["run_row", "optimizer_state_bytes"]
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
-from ..wrap import unwrap
+from ..base.wrap import unwrap
 
 __all__ = ["world_change_line", "cadence_line", "grace_line", "restarts_allowed",
            "AUTO_FIRST_SAVE", "young_daly_steps", "auto_cadence_line"]

@@ -11,8 +11,8 @@ from typing import Any, Mapping, Optional
 
 from torch import nn
 
-from .. import comm
-from ..errors import ConfigError
+from ..engines import comm
+from ..base.errors import ConfigError
 
 __all__ = ["check_options", "check_extra_names", "check_parts", "check_same_on_every_rank",
            "RESERVED"]

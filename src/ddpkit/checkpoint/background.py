@@ -23,9 +23,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import comm
-from ..errors import DDPKitError
-from ..seed import rng_state
+from ..engines import comm
+from ..base.errors import DDPKitError
+from ..base.seed import rng_state
 from .names import checkpoint_name
 from .write import SaveError, state_bytes
 
@@ -116,7 +116,7 @@ class BackgroundSaver:
     it ended at :meth:`finish` (waits) or :meth:`poll` (asks), both collectives.
 
     ``write(state, directory, step, keep)`` writes the file (rank 0 only) and returns its
-    path; its :class:`~ddpkit.errors.DDPKitError` message becomes a :class:`SaveError` on
+    path; its :class:`~ddpkit.base.errors.DDPKitError` message becomes a :class:`SaveError` on
     every rank.
 
     Example::

@@ -13,16 +13,16 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
-from .. import comm
+from ..engines import comm
 from .arguments import (check_extra_names, check_options, check_parts,
                         check_same_on_every_rank)
 from .background import BackgroundSaver, gathered_rng
 from .files import (_save_on_main, checkpoint_metadata, checkpoint_name, load_checkpoint,
                     resolve_resume, save_checkpoint)
-from ..observe import own_directory
+from ..base.observe import own_directory
 from .advice import (AUTO_FIRST_SAVE, auto_cadence_line, cadence_line, grace_line,
                      restarts_allowed, world_change_line, young_daly_steps)
-from ..seed import rng_state, set_rng_state
+from ..base.seed import rng_state, set_rng_state
 from .position import save_outlived_signal, where
 from .shared_dir import check_shared
 from .per_rank import gather_extras
@@ -31,7 +31,7 @@ from .sharded import (async_group, async_writer, is_sharded, remove_shards, save
                       start_shards)
 from ..faults import stall
 from ..faults.stops import StopRequested, signal_name
-from ..wrap import unwrap
+from ..base.wrap import unwrap
 
 __all__ = ["Checkpointer"]
 

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["check_compatible", "check_optimizer_compatible", "other_model",
            "named_model_differs"]

@@ -15,10 +15,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .. import comm
+from ..engines import comm
 from .compat import check_compatible, check_optimizer_compatible
 from .write import SaveError, atomic_write, disk_full, no_space, state_bytes
-from ..errors import ConfigError, DDPKitError
+from ..base.errors import ConfigError, DDPKitError
 from .names import _NAME, _step_of, checkpoint_name, list_checkpoints
 from .pickles import code_named, refuse_unloadable, refused_line
 from .sharded import remove_shards

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import List, Union
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["checkpoint_name", "list_checkpoints"]
 

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
-from .. import comm
+from ..engines import comm
 
 __all__ = ["digest", "gather_extras", "own_extras"]
 

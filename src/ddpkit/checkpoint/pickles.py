@@ -18,7 +18,7 @@ from typing import IO, Any, Dict, Iterator, List, Optional
 
 import torch
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["code_named", "refused_line", "refuse_unloadable"]
 

@@ -15,12 +15,12 @@ from typing import Any, Dict, List, Mapping, MutableMapping, Optional
 
 from torch import nn
 
-from .. import comm
+from ..engines import comm
 from .compat import (check_compatible, check_optimizer_compatible, named_model_differs,
                      other_model, plain_state)
 from .per_rank import own_extras
 from .sharded import is_sharded, load_full_state, load_shards
-from ..wrap import unwrap
+from ..base.wrap import unwrap
 
 __all__ = ["load_weights", "load_parts", "next_position", "stateful", "not_this_run"]
 

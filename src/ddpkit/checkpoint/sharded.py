@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .. import comm
+from ..engines import comm
 from .names import list_checkpoints
 from .write import SaveError, disk_full, no_space, state_bytes
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["is_sharded", "shards_name", "save_shards", "start_shards", "async_group",
            "async_writer", "load_shards",

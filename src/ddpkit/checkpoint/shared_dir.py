@@ -11,14 +11,14 @@ import uuid
 from pathlib import Path
 from typing import Union
 
-from .. import comm
-from ..errors import ConfigError, JobSetupError
+from ..engines import comm
+from ..base.errors import ConfigError, JobSetupError
 
 __all__ = ["check_shared"]
 
 
 def check_shared(directory: Union[str, Path], num_nodes: int, wait_s: float = 10.0) -> None:
-    """On several nodes, raise :class:`~ddpkit.errors.JobSetupError` on every rank unless every
+    """On several nodes, raise :class:`~ddpkit.base.errors.JobSetupError` on every rank unless every
     rank sees what rank 0 writes in ``directory``; call it on EVERY rank (a no-op on one node).
 
     A node-local directory (``/tmp``, a node's scratch disk) holds rank 0's checkpoints on one

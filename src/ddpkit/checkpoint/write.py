@@ -16,7 +16,7 @@ from typing import IO, Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from ..errors import JobSetupError
+from ..base.errors import JobSetupError
 
 __all__ = ["SaveError", "atomic_write", "fsync_dir", "disk_full", "state_bytes", "no_space",
            "resume_advice", "RESUME_COMMAND_VAR"]

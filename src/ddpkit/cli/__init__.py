@@ -1,7 +1,7 @@
 """The ``ddpkit`` command: one parser per subcommand (run, train, bench, slurm, k8s, ...), each a thin
 layer over the library function that does the work.
 
-User errors (:class:`~ddpkit.errors.DDPKitError`) print as one ``error:`` line and exit 2.
+User errors (:class:`~ddpkit.base.errors.DDPKitError`) print as one ``error:`` line and exit 2.
 """
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import argparse
 import sys
 from typing import List, Optional
 
-from ..errors import DDPKitError, JobSetupError
-from ..launchers.srun import is_first_task
-from . import bench, ckpt, doctor, k8s, plan, run, slurm, train, verify
+from ..base.interrupts import loading_the_command
+
+with loading_the_command():  # torch loads here: a Ctrl-C meanwhile is one line, exit 130
+    from ..base.errors import DDPKitError, JobSetupError
+    from ..launchers.srun import is_first_task
+    from . import bench, ckpt, doctor, k8s, plan, run, slurm, train, verify
 
 __all__ = ["main", "entry", "status_of", "build_parser"]
 

@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_doctor(ns: argparse.Namespace) -> int:
     from ..doctor.run import check_numbers, main, parse_size
-    from ..errors import ConfigError
+    from ..base.errors import ConfigError
 
     if ns.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {ns.nproc}")

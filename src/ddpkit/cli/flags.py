@@ -7,7 +7,7 @@ import argparse
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from ..env.detect import BACKEND_VAR, TIMEOUT_VAR
 from ..env.dist import BACKENDS
 from ..env.k8s import pod_launch

@@ -9,7 +9,7 @@ import json
 import os
 from typing import Optional
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["add_parser", "parse_link"]
 

@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from ..errors import ConfigError
+    from ..base.errors import ConfigError
     from ..launchers.torchrun import run
 
     if not ns.script:

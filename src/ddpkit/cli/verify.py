@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_verify(ns: argparse.Namespace) -> int:
-    from ..errors import ConfigError
+    from ..base.errors import ConfigError
     from ..verify import verify
     from ..verify.report import as_json, summary, table
     from .flags import pass_backend
@@ -72,7 +72,7 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
 def _check_script(script: str) -> None:
     import os
 
-    from ..errors import ConfigError
+    from ..base.errors import ConfigError
 
     if not os.path.exists(script):
         raise ConfigError(f"script {script!r} does not exist")

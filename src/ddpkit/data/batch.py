@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["Spelling", "PYTHON", "split_batch", "good_sizes"]
 

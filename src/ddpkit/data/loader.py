@@ -12,9 +12,9 @@ from typing import Any, Callable, Dict, Iterator, Optional, Union
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from .. import observe
+from ..base import observe
 from ..env.detect import ClusterEnv
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .seeds import (EpochTagged, SeededEachSample, SeededSamples, WorkerInit, sample_seed,
                            worker_seed)
 from .batch import split_batch

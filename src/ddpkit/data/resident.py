@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 import torch
 from torch.utils.data import TensorDataset
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["ResidentData", "supports_resident", "resident_nbytes", "free_device_bytes",
            "choose_resident", "resident_batches", "batches_in", "describe", "RESIDENT_SHARE"]

@@ -2,7 +2,7 @@
 import os
 import sys
 
-from ..errors import DDPKitError
+from ..base.errors import DDPKitError
 from .run import main
 
 if __name__ == "__main__":

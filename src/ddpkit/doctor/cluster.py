@@ -13,7 +13,7 @@ import torch
 import torch.distributed as tdist
 
 from ..cost.measure import sync_device, time_allreduce
-from ..errors import JobSetupError
+from ..base.errors import JobSetupError
 from ..cost.model import Link, bandwidths, fit_link, ring_allreduce_seconds
 from ..checkpoint.shared_dir import check_shared
 from .checks import Finding

@@ -12,7 +12,7 @@ import time
 from typing import List, Optional
 
 from ..env.dist import DEFAULT_TIMEOUT
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["main", "parse_size"]
 

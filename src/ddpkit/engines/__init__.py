@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..env.detect import ClusterEnv
-from ..errors import ConfigError
-from ..wrap import WrapOptions
+from ..base.errors import ConfigError
+from ..base.wrap import WrapOptions
 from .base import Engine
 from .ddp import DDPEngine
 from .dp import DPEngine

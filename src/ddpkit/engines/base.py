@@ -20,7 +20,7 @@ from torch import nn
 
 from ..faults.crash import die_with_launcher
 from ..env.detect import ClusterEnv, detect
-from ..wrap import WrapOptions
+from ..base.wrap import WrapOptions
 
 __all__ = ["Engine", "Reduction", "REDUCE_OPS"]
 

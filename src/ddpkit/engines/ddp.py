@@ -13,10 +13,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..cost import auto as autohook
 from ..env.detect import ClusterEnv
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from ..cost.lowrank import BatchedPowerSGD, batched_powersgd_hook
 from ..cost.model import DEFAULT_RANKS
-from ..wrap import WrapOptions
+from ..base.wrap import WrapOptions
 from .buckets import install_steady_buckets
 from .torchdist import TorchEngine
 

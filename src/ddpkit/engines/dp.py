@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn import DataParallel
 
 from ..env.detect import ClusterEnv
-from ..errors import ConfigError
-from ..wrap import WrapOptions
+from ..base.errors import ConfigError
+from ..base.wrap import WrapOptions
 from .torchdist import TorchEngine
 
 __all__ = ["DPEngine"]

@@ -14,8 +14,8 @@ from torch import nn
 
 from ..env.detect import ClusterEnv
 from ..env.dist import resolve_backend
-from ..errors import ConfigError
-from ..wrap import WrapOptions
+from ..base.errors import ConfigError
+from ..base.wrap import WrapOptions
 from .torchdist import TorchEngine
 
 __all__ = ["FSDPEngine", "shard_units"]

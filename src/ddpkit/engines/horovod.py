@@ -3,7 +3,7 @@
 Horovod is optional and never a dependency (build it with ``scripts/build_horovod.sh``). When a
 process was started by ``horovodrun`` (or ``ddpkit train --engine horovod``),
 :func:`ddpkit.setup` picks this engine: ``hvd.init()`` replaces ``init_process_group``, and
-ddpkit's rank utilities (:mod:`ddpkit.comm`: reduce, gather, broadcast, barrier) run on
+ddpkit's rank utilities (:mod:`ddpkit.engines.comm`: reduce, gather, broadcast, barrier) run on
 Horovod's collectives, so exact evaluation, checkpoint agreement and logging work unchanged.
 Gradients are averaged by ``hvd.DistributedOptimizer`` (:meth:`HorovodEngine.optimizer`),
 optionally fp16-compressed, with parameters and optimizer state broadcast from rank 0;
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from ..env.detect import ClusterEnv
-from ..errors import ConfigError
-from ..wrap import WrapOptions
+from ..base.errors import ConfigError
+from ..base.wrap import WrapOptions
 from .base import Engine, Reduction
 
 __all__ = ["HorovodEngine", "missing_reason", "started_by_horovod", "COMPRESSIONS"]
@@ -162,7 +162,7 @@ class HorovodEngine(Engine):
         hvd = _hvd()
         if hvd is None or getattr(optimizer, "_ddpkit_horovod", False):
             return optimizer
-        from ..wrap import unwrap
+        from ..base.wrap import unwrap
 
         comp = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
         names = {p: n for n, p in unwrap(model).named_parameters()}

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..env.detect import ClusterEnv
-from ..wrap import WrapOptions
+from ..base.wrap import WrapOptions
 from .torchdist import TorchEngine
 
 __all__ = ["NoneEngine"]

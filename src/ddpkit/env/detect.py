@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from ..errors import ConfigError, JobSetupError
+from ..base.errors import ConfigError, JobSetupError
 from .k8s import PodLaunch, pod_launch
 from .slurm import (first_host, parse_tasks_per_node, port_from_job_id, step_id,
                         step_tasks_per_node)

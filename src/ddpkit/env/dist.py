@@ -19,7 +19,7 @@ import torch.distributed as tdist
 from torch.distributed.rendezvous import rendezvous
 
 from .detect import JOIN_TIMEOUT_VAR, ClusterEnv
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["select_device", "check_gpu_sharing", "resolve_backend", "resolve_init_method",
            "check_master_resolves",

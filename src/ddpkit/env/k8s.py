@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["PodLaunch", "pod_launch", "PET_VARS"]
 

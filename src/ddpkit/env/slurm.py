@@ -10,7 +10,7 @@ import re
 import zlib
 from typing import List, Mapping, Optional, Union
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = [
     "MAX_HOSTS",

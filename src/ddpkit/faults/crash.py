@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import DDPKitError, JobSetupError
+from ..base.errors import DDPKitError, JobSetupError
 from .alike import EVERY_RANK, failure_digest, said_for_every_rank, where
 from .stops import LAUNCHER_PID_VAR, die_with_launcher, quiet_exit  # noqa: F401 (re-exported)
 
@@ -124,7 +124,7 @@ def collective_site(frames: Any) -> "tuple[Optional[str], Optional[str]]":
     return op, where
 
 
-_PLUMBING = ("ddpkit.comm", "ddpkit.engines")  # rank utilities: name who called them
+_PLUMBING = ("ddpkit.engines.comm", "ddpkit.engines")  # rank utilities: name who called them
 
 
 def _dotted(frame: Any, root: str) -> str:

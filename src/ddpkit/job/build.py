@@ -9,8 +9,8 @@ from typing import Any, Dict, Tuple
 import torch
 from torch import nn
 
-from .. import comm
-from ..runtime import Runtime
+from ..engines import comm
+from ..training.runtime import Runtime
 from .config import TrainConfig
 from .datasets import build_dataset, dataset_key
 from .models import build_model, model_summary

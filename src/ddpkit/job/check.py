@@ -15,8 +15,8 @@ from ..checkpoint.compat import named_model_differs
 from ..checkpoint.files import holds_run, resolve_resume
 from ..data.batch import Spelling, good_sizes, split_batch
 from ..engines import create as create_engine
-from ..errors import ConfigError
-from ..wrap import WrapOptions, check_compile
+from ..base.errors import ConfigError
+from ..base.wrap import WrapOptions, check_compile
 from .config import TrainConfig, check_ranges
 from .datasets import ON_DISK, available_datasets, dataset_key
 from .disk_datasets import require_pil

@@ -16,7 +16,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from ..engines import ENGINES
 from ..engines.ddp import COMM_HOOKS
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["TrainConfig", "load_config_file", "merge", "config_from_dict", "field_type",
            "parse_nproc", "check_ranges", "run_directory_of"]

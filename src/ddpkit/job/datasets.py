@@ -15,7 +15,7 @@ import torch
 
 from .disk_datasets import ImageFolderDataset, cifar, image_folder
 from .text import TextBytes, text
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from ..data.resident import ResidentData
 from .images import (CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, IMAGE_EXTENSIONS,
                      IMAGENET_MEAN, IMAGENET_STD, ImageDataset, InMemoryImages, random_crop_flip)

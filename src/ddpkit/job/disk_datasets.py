@@ -10,7 +10,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .images import (CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, IMAGE_EXTENSIONS,
                      IMAGENET_MEAN, IMAGENET_STD, ImageDataset, InMemoryImages, _channel_stats,
                      random_crop_flip)

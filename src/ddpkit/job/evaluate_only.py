@@ -8,13 +8,13 @@ import os
 from pathlib import Path
 from typing import Any, Dict
 
-from .. import comm
+from ..engines import comm
 from ..checkpoint.files import load_checkpoint, resolve_resume
 from ..checkpoint.restore import load_weights, not_this_run
-from ..errors import ConfigError
-from ..evaluate import perplexity
-from ..log import format_scores
-from ..precision import Precision
+from ..base.errors import ConfigError
+from ..training.evaluation import perplexity
+from ..training.log import format_scores
+from ..training.precision import Precision
 from .config import TrainConfig
 from .datasets import dataset_key
 

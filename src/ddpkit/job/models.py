@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
-from ..wrap import unwrap
+from ..base.errors import ConfigError
+from ..base.wrap import unwrap
 
 __all__ = ["SmallCNN", "BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet34", "resnet50",
            "GPT", "gpt", "LANGUAGE_MODELS",

@@ -12,7 +12,7 @@ import sys
 from typing import List, Optional
 
 from ..checkpoint.files import list_checkpoints
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["claim_output", "RUN_FILES"]
 

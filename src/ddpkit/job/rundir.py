@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Dict, Iterator, Optional
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["hold_run_dir", "LOCK_NAME"]
 

@@ -20,7 +20,7 @@ from ..checkpoint.write import RESUME_COMMAND_VAR
 from ..faults.crash import LAUNCHER_PID_VAR
 from ..engines import create as create_engine
 from ..env.detect import detect
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from ..launchers import horovodrun
 from ..launchers.capacity import check_memory
 from ..launchers.srun import step_task

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.utils.data import Dataset
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from ..data.resident import ResidentData
 
 __all__ = ["TextBytes", "text", "TEXT_EXTENSIONS", "default_corpus"]

@@ -12,16 +12,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .. import comm
+from ..engines import comm
 from ..cost.auto import choice_of
 from ..checkpoint.names import checkpoint_name, list_checkpoints
 from ..checkpoint.write import SaveError, atomic_write
-from ..log import RunLogger, banner
-from ..loop import CheckpointPolicy, FitConfig, TrainState, fit
-from ..precision import Precision, gpu_math
+from ..training.log import RunLogger, banner
+from ..training.loop import CheckpointPolicy, FitConfig, TrainState, fit
+from ..training.precision import Precision, gpu_math
 from ..data.resident import describe
-from ..runtime import setup
-from ..seed import seed_everything
+from ..training.runtime import setup
+from ..base.seed import seed_everything
 from .build import build_datasets, build_optimizer, build_scheduler, build_wrapped_model
 from .check import check_batch_fits, check_config
 from .config import RECORDED, TrainConfig, config_from_dict
@@ -33,7 +33,7 @@ __all__ = ["train", "main"]
 
 def fit_config(cfg: TrainConfig, rt: Any, test_set: Any, scheduler: Any,
                interval: str) -> FitConfig:
-    """The :class:`~ddpkit.loop.FitConfig` that ``cfg`` asks for (the job's objects included).
+    """The :class:`~ddpkit.training.loop.FitConfig` that ``cfg`` asks for (the job's objects included).
 
     Example::
 

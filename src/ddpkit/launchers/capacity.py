@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Optional
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["check_memory", "cores_warning", "usable_cores", "available_memory", "worker_floor"]
 

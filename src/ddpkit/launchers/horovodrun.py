@@ -8,7 +8,7 @@ import sys
 from typing import List
 
 from ..engines.horovod import missing_reason
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["launch_args", "run"]
 

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["K8sJob", "render_k8s", "to_yaml", "KINDS", "DEFAULT_GRACE", "PORT", "AGENT_MARGIN"]
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["Route", "NodeNetwork", "split_endpoint", "resolve", "parse_route_get",
            "parse_addresses", "parse_proc_route", "route_to", "interface_for", "is_local",

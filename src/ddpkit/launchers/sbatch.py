@@ -8,7 +8,7 @@ import re
 import shlex
 from typing import List, Sequence
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["render_sbatch", "DEFAULT_REQUEUE_GRACE", "PORT_FROM_JOB_ID"]
 

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from ..faults.crash import is_peer_failure
 from ..env.dist import shutdown
 from ..env.detect import spawn_env, to_environ
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .network import free_port
 
 __all__ = ["launch", "LaunchError"]

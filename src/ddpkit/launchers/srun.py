@@ -2,14 +2,14 @@
 
 A wrong layout (``--ntasks-per-node=2`` around ``srun ddpkit run``, or ``--nnodes`` that is not
 the step's) would start twice the workers, or wait for nodes that never come; every task stops
-at once instead, and task 0 says why (:class:`~ddpkit.errors.JobSetupError`).
+at once instead, and task 0 says why (:class:`~ddpkit.base.errors.JobSetupError`).
 """
 from __future__ import annotations
 
 import os
 from typing import Mapping, Optional
 
-from ..errors import ConfigError, JobSetupError
+from ..base.errors import ConfigError, JobSetupError
 from ..env.slurm import expand_nodelist, parse_tasks_per_node, step_id, step_tasks_per_node
 
 __all__ = ["step_task", "check_layout", "is_first_task"]

@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from ..faults.crash import LAUNCHER_PID_VAR
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from ..env.k8s import pod_launch
 from ..faults.stops import STOP_SIGNALS, signal_name
 from . import capacity, elastic, network as net, restarts, srun, stacks, watchdog

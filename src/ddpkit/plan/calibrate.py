@@ -156,7 +156,7 @@ def _hook_in_step(shapes: Sequence[Any], hook: str, rank: int, group: Any, repea
 
     from ..cost.measure import time_hooks
     from ..engines.ddp import comm_hook_for
-    from ..wrap import WrapOptions
+    from ..base.wrap import WrapOptions
 
     ends: List[float] = []
     starts: List[float] = []
@@ -200,7 +200,7 @@ def _training_step(model: torch.nn.Module, group: Any, batches: Iterator[Any],
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..data.batches import default_loss, logits_of
+    from ..training.batches import default_loss, logits_of
     from ..job.build import build_optimizer
     from ..job.config import TrainConfig
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..cost.measure import Timing, Workload, workload_of
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["JobInput", "Measured", "job_input", "parse_shape", "rank_threads", "using_threads",
            "job_batch", "job_model", "job_workload"]

@@ -121,7 +121,7 @@ def printed_differs(one: RunRecord, many: RunRecord, again: Optional[RunRecord],
             f"where 1 process prints {line_one!r} at the same point ({b:g} against {a:g}), "
             "though the steps compared agree: the number is not what one process computes; a "
             "value from rank 0's part of the data alone (a metric not reduced over ranks) "
-            "prints so; reduce (sum, count) over ranks (rt.evaluate, ddpkit.comm.reduce)",
+            "prints so; reduce (sum, count) over ranks (rt.evaluate, ddpkit.engines.comm.reduce)",
             [f"printed on 1 process (twice alike): {line_one!r}",
              f"printed by rank 0 of {many.world_size}: {line_many!r}"])
 

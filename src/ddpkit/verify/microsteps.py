@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["HoldBack"]
 

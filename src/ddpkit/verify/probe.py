@@ -1,5 +1,5 @@
 """What ``ddpkit verify`` sees inside a user's unchanged script: the observer ``setup()`` starts
-(``ddpkit.observe``) when ``ddpkit verify`` sets ``DDPKIT_OBSERVER`` and ``DDPKIT_VERIFY``; it records every optimizer step of this rank (the samples consumed, the losses
+(``ddpkit.base.observe``) when ``ddpkit verify`` sets ``DDPKIT_OBSERVER`` and ``DDPKIT_VERIFY``; it records every optimizer step of this rank (the samples consumed, the losses
 backpropagated, the gradient norm before clipping, the learning rate, a digest of the
 parameters after the step) as JSON lines, and ends the run after ``DDPKIT_VERIFY_STEPS`` steps.
 
@@ -231,7 +231,7 @@ class Probe(LoaderWatch):
 
     def own_directory(self, path: Any) -> str:
         """``path`` (a checkpoint directory the script names) as this run's own
-        (``ddpkit.observe.own_directory``): a relative one already lies in the run's working
+        (``ddpkit.base.observe.own_directory``): a relative one already lies in the run's working
         directory (where the script also writes beside it, a ``model_best.pt``), except where
         it goes through the link to a directory of the user's, which an empty one replaces; an
         absolute one (or one above) moves into the run's directory. Every rank maps it alike."""

@@ -87,7 +87,7 @@ def dataset_digests(dataset: Any) -> Optional[List[List[int]]]:
 
         dataset_digests(TensorDataset(torch.arange(10)))   # [[0, ...], [5, ...], [9, ...]]
     """
-    from ..seed import preserved_rng, seed_everything
+    from ..base.seed import preserved_rng, seed_everything
     try:
         n = len(dataset)
         out = []

@@ -21,8 +21,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
-from ..errors import ConfigError
-from ..observe import OBSERVER_VAR
+from ..base.errors import ConfigError
+from ..base.observe import OBSERVER_VAR
 from .probe import ACCUM_VAR, EVAL_VAR, ORDER_VAR, STEPS_VAR, VERIFY_VAR
 from .compare import Verdict, compare
 from .records import RunRecord, load

@@ -18,21 +18,23 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import comm, engines, observe
-from .data.batches import to_device
-from .faults.crash import install_error_hook
-from .data.loader import DistributedLoader, make_loader
-from .env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
-from .env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
-from .evaluate import evaluate
-from .faults import stall
-from .faults.launcher_watch import start_for_launcher
-from .faults.watch_store import watch_store
-from .faults.hangs import Heartbeat
-from .checkpoint.checkpointer import Checkpointer
-from .seed import seed_everything, set_deterministic
-from .faults.stops import Stops
-from .wrap import WrapOptions, check_not_wrapped, compile_model, unwrap
+from ..engines import comm
+from .. import engines
+from ..base import observe
+from .batches import to_device
+from ..faults.crash import install_error_hook
+from ..data.loader import DistributedLoader, make_loader
+from ..env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
+from ..env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
+from .evaluation import evaluate
+from ..faults import stall
+from ..faults.launcher_watch import start_for_launcher
+from ..faults.watch_store import watch_store
+from ..faults.hangs import Heartbeat
+from ..checkpoint.checkpointer import Checkpointer
+from ..base.seed import seed_everything, set_deterministic
+from ..faults.stops import Stops
+from ..base.wrap import WrapOptions, check_not_wrapped, compile_model, unwrap
 
 __all__ = ["Runtime", "setup"]
 

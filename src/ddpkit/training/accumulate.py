@@ -11,8 +11,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from .engines import Engine, active
-from .errors import ConfigError
+from ..engines import Engine, active
+from ..base.errors import ConfigError
 from .precision import Precision
 
 __all__ = ["Accumulator"]

@@ -14,19 +14,18 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from . import comm
+from ..engines import comm
 from .accumulate import Accumulator
-from .data.batches import (batch_size_of, channels_last, default_loss, forward, logits_of,
-                      step_sums, targets_of, to_device)
-from .data.loader import DistributedLoader
-from .errors import ConfigError, DDPKitError
-from .evaluate import perplexity
+from .batches import batch_size_of, channels_last, default_loss, forward, logits_of, step_sums, targets_of, to_device
+from ..data.loader import DistributedLoader
+from ..base.errors import ConfigError, DDPKitError
+from .evaluation import perplexity
 from .log import RunLogger, format_epoch, progress_bar
 from .fitconfig import CheckpointPolicy, FitConfig, Hook, TrainState
 from .precision import Precision
-from .checkpoint.checkpointer import Checkpointer
+from ..checkpoint.checkpointer import Checkpointer
 from .runtime import Runtime
-from .faults.stops import StopRequested
+from ..faults.stops import StopRequested
 
 __all__ = ["TrainState", "CheckpointPolicy", "FitConfig", "Hook", "fit"]
 

@@ -15,8 +15,8 @@ from typing import Any, Iterator, List, Union
 
 import torch
 
-from .engines import active
-from .engines.base import REDUCE_OPS
+from . import active
+from .base import REDUCE_OPS
 
 __all__ = ["rank", "world_size", "is_main", "barrier", "reduce", "gather_object",
            "broadcast_object", "print0", "main_process_first", "install_rank_warnings"]

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, TypeVar
 
 import torch
 
-from . import comm
+from ..engines import comm
 
 __all__ = ["banner", "RunLogger", "progress_bar", "format_epoch"]
 

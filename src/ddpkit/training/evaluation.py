@@ -14,19 +14,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from . import comm
-from .data.loader import ShardSampler
-from .data.batches import IGNORE_INDEX
-from .data.batches import channels_last as to_channels_last
-from .data.batches import (forward, is_regression, logits_of, loss_sum, regression_pair, step_outputs,
-                      step_sums, sum_count, targets_of, to_device, topk_hits)
-from .errors import ConfigError
-from .faults import stall
+from ..engines import comm
+from ..data.loader import ShardSampler
+from .batches import IGNORE_INDEX
+from .batches import channels_last as to_channels_last
+from .batches import forward, is_regression, logits_of, loss_sum, regression_pair, step_outputs, step_sums, sum_count, targets_of, to_device, topk_hits
+from ..base.errors import ConfigError
+from ..faults import stall
 from .precision import Precision
-from .data.resident import choose_resident, resident_batches
-from .seed import preserved_rng
-from .checkpoint.sharded import is_sharded
-from .wrap import unwrap
+from ..data.resident import choose_resident, resident_batches
+from ..base.seed import preserved_rng
+from ..checkpoint.sharded import is_sharded
+from ..base.wrap import unwrap
 
 __all__ = ["evaluate", "topk_correct", "rank0_buffers", "perplexity"]
 
@@ -92,7 +91,7 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     them) and ``top{k}`` accuracies in percent for each k in ``topk`` (``topk=()``: none).
 
     A regression (float targets shaped like the outputs, ``(B, 1)`` against ``(B,)`` included;
-    see :func:`ddpkit.data.batches.is_regression`) returns ``loss`` (MSE unless ``loss_fn``), ``mse``,
+    see :func:`ddpkit.training.batches.is_regression`) returns ``loss`` (MSE unless ``loss_fn``), ``mse``,
     ``mae``, ``r2`` and ``count`` (target values) instead of ``top{k}``; r2 is ``1 - SSE / SST``
     over every target value, from float64 sums over all ranks (NaN when the targets are
     constant).

@@ -1,6 +1,6 @@
 """What ``fit`` is told: ``FitConfig`` (how to train), ``CheckpointPolicy`` (where and when to
 save, what to resume) and ``Hook`` (what to call along the way); what it returns:
-``TrainState``. ``ddpkit.loop`` runs them.
+``TrainState``. ``ddpkit.training.loop`` runs them.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .errors import DDPKitError
+from ..base.errors import DDPKitError
 from .log import RunLogger
 from .precision import Precision
 
@@ -89,7 +89,7 @@ class FitConfig:
 
 class Hook:
     """Override any of these to observe or extend the loop; ``loop`` is the running fit
-    (``ddpkit.loop``'s, which imports this module: its model, optimizer, state, config).
+    (``ddpkit.training.loop``'s, which imports this module: its model, optimizer, state, config).
 
     Example::
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["to_device", "channels_last", "batch_size_of", "forward", "logits_of", "targets_of",
            "cross_entropy", "is_regression", "regression_pair", "default_loss", "loss_sum",

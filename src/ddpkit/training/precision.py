@@ -10,7 +10,7 @@ from typing import Any, ContextManager, Dict, Optional
 
 import torch
 
-from .errors import ConfigError
+from ..base.errors import ConfigError
 
 __all__ = ["POLICIES", "Precision", "gpu_math"]
 
@@ -120,7 +120,7 @@ class Precision:
 
 
 def _warn_if_bf16_emulated() -> None:
-    from .env.machine import cpu_info, native_bf16
+    from ..env.machine import cpu_info, native_bf16
 
     flags = cpu_info()["flags"]
     if flags and not native_bf16(flags):
