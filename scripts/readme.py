@@ -88,6 +88,18 @@ def example_diff() -> str:
     return _diff("examples/train_plain.py", "examples/train_ddpkit.py")
 
 
+def home_example() -> str:
+    """The README example's ddpkit side, for the docs' home page: ``import ddpkit`` and the body
+    of ``main()`` in examples/train_ddpkit.py from ``ddpkit.setup`` on, its five numbered lines
+    among the lines they change (the file the README's diff and the tests run)."""
+    lines = (ROOT / "examples" / "train_ddpkit.py").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "ddpkit.setup(" in line)
+    end = next(i for i in range(start, len(lines)) if lines[i] and not lines[i][0].isspace())
+    text = "import ddpkit\n\n" + "\n".join(line[4:] for line in lines[start:end])
+    marked = [str(n) for n, line in enumerate(text.splitlines(), 1) if re.search(r"# \d: ", line)]
+    return _fenced(f'python hl_lines="{" ".join(marked)}"', text)  # the five lines highlighted
+
+
 def lm_diff() -> str:
     """The whole diff between the plain language model and its ddpkit conversion."""
     return _diff("examples/lm_plain.py", "examples/lm_ddpkit.py")
@@ -141,46 +153,68 @@ def run_usage() -> str:
     return _fenced("", _usage("run"))
 
 
-def _md(rst: str) -> str:
-    """First paragraph of a docstring as one Markdown line (roles and double backticks dropped)."""
+def _md(rst: str, cell: bool = True) -> str:
+    """First paragraph of a docstring as one Markdown line (roles and double backticks dropped);
+    ``cell``: for a table's cell, its ``|`` escaped."""
     text = " ".join(rst.split("\n\n")[0].split())
     text = re.sub(r":\w+:`~?\.?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", text)
-    return text.replace("``", "`").replace("|", "\\|")
+    text = text.replace("``", "`")
+    return text.replace("|", "\\|") if cell else text
 
 
 def _summary(path: Path) -> str:
-    return _md(ast.get_docstring(ast.parse(path.read_text())) or "")
+    return _md(ast.get_docstring(ast.parse(path.read_text())) or "", cell=False)
+
+
+def _param(p: inspect.Parameter) -> str:
+    if p.kind is p.VAR_POSITIONAL:
+        return "*" + p.name
+    if p.kind is p.VAR_KEYWORD:
+        return "**" + p.name
+    if p.default is p.empty:
+        return p.name
+    return f"{p.name}={repr(p.default).replace('datetime.', '')}"
 
 
 def _signature(obj: object) -> str:
+    """The call as Python writes it, markers kept: ``/`` after the positional-only parameters,
+    ``*`` before the keyword-only ones (``rt.checkpointer(directory, *, model, **parts)``: a
+    ``model`` passed by position is a TypeError, so the page must not show it as positional)."""
     try:
-        params = inspect.signature(obj).parameters.values()  # type: ignore[arg-type]
+        params = list(inspect.signature(obj).parameters.values())  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return ""
-    parts = []
-    for p in params:
-        if p.kind is p.VAR_POSITIONAL:
-            parts.append("*" + p.name)
-        elif p.kind is p.VAR_KEYWORD:
-            parts.append("**" + p.name)
-        elif p.default is p.empty:
-            parts.append(p.name)
-        else:
-            parts.append(f"{p.name}={repr(p.default).replace('datetime.', '')}")
+    parts: List[str] = []
+    star = False  # a `*` (bare or `*args`) already stands before the keyword-only parameters
+    for i, p in enumerate(params):
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+        star = star or p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY)
+        parts.append(_param(p))
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params)
+                                            or params[i + 1].kind is not p.POSITIONAL_ONLY):
+            parts.append("/")
     return "(" + ", ".join(parts) + ")"
 
 
 def module_map() -> str:
-    """One row per module of the package: its path and the first paragraph of its docstring."""
-    rows = ["| file | what it does |", "|---|---|"]
-    files = sorted(PACKAGE.rglob("*.py"), key=lambda p: (len(p.relative_to(PACKAGE).parts),
-                                                         str(p.relative_to(PACKAGE))))
-    for path in files:
-        rel = path.relative_to(PACKAGE.parent).as_posix()
-        if path.name == "__main__.py":
-            continue
-        rows.append(f"| `{rel}` | {_summary(path)} |")
-    return "\n".join(rows) + "\n"
+    """Every module of the package, a section per folder: the core's flat modules first, then each
+    folder under a heading of its own, opened by its ``__init__.py``'s docstring, its modules
+    listed below it, each with the first paragraph of its docstring."""
+    folders: Dict[str, List[Path]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "__main__.py":
+            folders.setdefault(path.parent.relative_to(PACKAGE).as_posix(), []).append(path)
+    out: List[str] = []
+    for folder in sorted(folders, key=lambda f: (f != ".", f)):
+        name = "ddpkit/" if folder == "." else f"ddpkit/{folder}/"
+        init = PACKAGE / folder / "__init__.py"
+        out.append(f"### `{name}`\n\n{_summary(init)}\n")
+        for path in folders[folder]:
+            if path.name != "__init__.py":
+                out.append(f"- `{path.name}`: {_summary(path)}")
+        out.append("")
+    return "\n".join(out)
 
 
 def public_api() -> str:
@@ -217,6 +251,7 @@ def runtime_api() -> str:
 #: Each block by name: the function that makes it. ``example-diff`` is the README's; ``train-diff``
 #: is the same diff on the docs site's "Convert your script" page (names are unique across files).
 BLOCKS: Dict[str, Callable[[], str]] = {"example-diff": example_diff, "train-diff": example_diff,
+                                        "home-example": home_example,
                                         "lm-diff": lm_diff, "imagenet-diff": imagenet_diff,
                                         "gpt-diff": gpt_diff,
                                         "conversion-counts": conversion_counts,

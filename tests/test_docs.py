@@ -62,3 +62,51 @@ def test_the_readme_is_short_and_links_every_page():
     text = "\n".join(lines)
     missing = [page for page in _nav_pages() if f"](docs/{page})" not in text]
     assert not missing, f"README.md does not link these docs pages: {missing}"
+
+
+
+def _shown_signatures():
+    """Each call the Python API page's generated tables show (``public-api``, ``runtime-api``):
+    (``ddpkit.NAME`` or ``rt.NAME``, its parameter list)."""
+    page = (ROOT / "docs" / "python-api.md").read_text()
+    text = "".join(re.findall(r"<!-- generated: (?:public|runtime)-api -->\n(.*?)<!-- end:", page,
+                              re.S))
+    return re.findall(r"^\| `((?:ddpkit|rt)\.\w+)(\(.*?\))` \|", text, re.M)
+
+
+def _written(params: str):
+    """(name, kind) of each parameter of ``params`` read as Python reads a ``def``."""
+    import ast
+    from inspect import Parameter as P
+
+    a = ast.parse(f"def f{params}: pass").body[0].args
+    return ([(x.arg, P.POSITIONAL_ONLY) for x in a.posonlyargs]
+            + [(x.arg, P.POSITIONAL_OR_KEYWORD) for x in a.args]
+            + ([(a.vararg.arg, P.VAR_POSITIONAL)] if a.vararg else [])
+            + [(x.arg, P.KEYWORD_ONLY) for x in a.kwonlyargs]
+            + ([(a.kwarg.arg, P.VAR_KEYWORD)] if a.kwarg else []))
+
+
+def test_the_python_api_page_shows_keyword_only_parameters_after_a_star():
+    shown = dict(_shown_signatures())
+    # model is keyword-only: rt.checkpointer("dir", model) raises a TypeError
+    assert shown["rt.checkpointer"] == "(directory, *, model, **parts)", shown["rt.checkpointer"]
+    assert shown["ddpkit.Checkpointer"].startswith("(rt, directory, *, model, ")
+    assert shown["ddpkit.setup"].startswith("(*, backend=None, ")
+
+
+def test_every_signature_on_the_python_api_page_is_the_code_s():
+    """Names and kinds (positional, keyword-only, ``*args``, ``**kwargs``) as the code has them,
+    so a call copied from the page is a call Python accepts."""
+    import inspect
+
+    import ddpkit
+
+    shown = _shown_signatures()
+    assert len(shown) > 20, shown
+    for name, params in shown:
+        owner, attr = name.split(".")
+        obj = getattr(ddpkit.Runtime if owner == "rt" else ddpkit, attr)
+        real = [(p.name, p.kind) for p in inspect.signature(obj).parameters.values()
+                if not (owner == "rt" and p.name == "self")]
+        assert _written(params) == real, name
