@@ -56,8 +56,9 @@ class _Timed:
             try:
                 with open(LOG, "a") as f:
                     test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+                    what = "|".join(a.replace(" ", "_") for a in sys.argv[:4])[:200]
                     f.write(f"{{os.getpid()}} {{name}} {{time.process_time() - start:.3f}} "
-                            f"{{int(nested)}} {{test or '-'}}\\n")
+                            f"{{int(nested)}} {{test or '-'}} {{what or '-'}}\\n")
             except OSError:
                 pass
 
@@ -101,7 +102,7 @@ def report(venv: str) -> str:
     try:
         with open(log) as f:
             for line in f:
-                pid, name, seconds, nested, *test = line.split()
+                pid, name, seconds, nested, *test = line.split()[:5]
                 if name == "torch":
                     pids.add(pid)
                     where = test[0].split("::")[0] if test else "-"
