@@ -121,7 +121,7 @@ def train(rt, ckpt, train_loader, model, criterion, optimizer, scaler, epoch, de
 
 
 def validate(rt, model, val_set):
-    metrics = rt.evaluate(model, val_set, batch_size=64)  # 6: exact, every image once, all ranks
+    metrics = rt.evaluate(model, val_set, per_rank_batch=64)  # 6: exact, every image once, all ranks
     rt.print0(f" * Acc@1 {metrics['top1']:.3f} Acc@5 {metrics['top5']:.3f} "
               f"loss {metrics['loss']:.4f} on {metrics['count']} images")
     return metrics["top1"]

@@ -63,7 +63,7 @@ def main():
             optimizer.step()
         rt.print0(f"epoch {epoch}: last loss {rt.mean(loss):.4f}")  # 5: the mean over ranks
 
-    result = rt.evaluate(model, val_set, batch_size=64, topk=())   # 6: exact, per token
+    result = rt.evaluate(model, val_set, per_rank_batch=64, topk=())   # 6: exact, per token
     rt.print0(f"validation loss {result['loss']:.4f}, perplexity {math.exp(result['loss']):.2f} "
               f"over {result['count']} tokens")
     if rt.is_main:

@@ -49,7 +49,7 @@ def main():
     loader = rt.loader(Bytes(train=True), batch_size=args.batch_size)
     ddpkit.fit(rt, model, optimizer, loader, epochs=args.epochs, max_steps=args.max_steps,
                eval_data=None, progress=False)        # the model's own .loss trains it
-    final = rt.evaluate(model, Bytes(train=False), batch_size=64, topk=(1,))  # exact, per token
+    final = rt.evaluate(model, Bytes(train=False), per_rank_batch=64, topk=(1,))  # exact, per token
     rt.print0(f"validation loss {final['loss']:.4f}, perplexity {math.exp(final['loss']):.2f} "
               f"over {final['count']} tokens")
     if rt.is_main and args.out:

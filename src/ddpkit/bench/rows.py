@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from ..base.errors import ConfigError
+from ..data.batch import Batch
 
 __all__ = ["Row", "ROWS", "DEFAULT_ROWS", "QUICK_ROWS", "parse_rows", "BenchConfig",
            "capabilities", "skip_reason", "plan_row"]
@@ -112,7 +113,7 @@ class BenchConfig:
     rows: List[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_ROWS))
     rows_given: bool = False
     model: str = "resnet18"
-    batch: int = 64
+    batch: int = 64          #: per rank, per optimizer step (--per-rank-batch)
     nproc: int = 2
     threads: int = 1
     steps: int = 3
@@ -135,13 +136,13 @@ class BenchConfig:
         for name in ("batch", "nproc", "threads", "steps", "repeats", "epoch_size", "epochs",
                      "accum_steps"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
-                                  f"{getattr(self, name)}")
+                flag = "per-rank-batch" if name == "batch" else name.replace("_", "-")
+                raise ConfigError(f"--{flag} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0 or self.workers < 0:
             raise ConfigError("--warmup and --workers must be >= 0")
         accum = any(ROWS[r].accum for r in self.rows)
         if accum and self.batch % self.accum_steps:
-            raise ConfigError(f"--batch {self.batch} cannot be split into --accum-steps "
+            raise ConfigError(f"--per-rank-batch {self.batch} cannot be split into --accum-steps "
                               f"{self.accum_steps} micro-batches; choose a multiple of it")
         _check_model(self.model)
 
@@ -218,6 +219,8 @@ def plan_row(row: Row, cfg: BenchConfig, caps: Dict[str, Any]) -> Dict[str, Any]
     sharing = 0 < caps["cuda_count"] < nprocs and row.runner == "ddpkit"
     threads = (os.cpu_count() or 1) if row.all_threads else 1 if row.single else cfg.threads
     devices = caps["cuda_count"] if row.engine == "dp" else 1
+    # --per-rank-batch is a process's (DataParallel: a GPU's) samples per optimizer step
+    batch = Batch.of(nprocs * cfg.batch * devices, nprocs, cfg.accum_steps if row.accum else 1)
     job = dict(model=cfg.model, batch=cfg.batch * devices, threads=threads, steps=cfg.steps,
                warmup=cfg.warmup, precision=row.precision, channels_last=row.channels_last,
                engine=row.engine, accum=row.accum, accum_k=cfg.accum_steps,
@@ -226,6 +229,6 @@ def plan_row(row: Row, cfg: BenchConfig, caps: Dict[str, Any]) -> Dict[str, Any]
                workers=cfg.workers, epoch_size=cfg.epoch_size, device_data=row.device_data,
                compile=row.compile, backend="gloo" if sharing else None)
     return {"nprocs": nprocs, "threads": threads, "workers": nprocs * threads,
-            "global_batch": nprocs * cfg.batch * devices, "runner": row.runner, "job": job,
+            "global_batch": batch.global_batch, "runner": row.runner, "job": job,
             "functional": (f"functional, not speed: {nprocs} processes share "
                            f"{caps['cuda_count']} GPU(s) over gloo") if sharing else None}

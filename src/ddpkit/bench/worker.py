@@ -175,7 +175,7 @@ def run_row(job: Dict[str, Any]) -> Dict[str, Any]:
             "held_mb": model_state_bytes(model, opt) / 2**20,
             "threads": torch.get_num_threads(), "device": str(rt.device), "steps_total": total}
     if test_set is not None:
-        mine["top1"] = rt.evaluate(model, test_set, batch_size=256, precision=prec,
+        mine["top1"] = rt.evaluate(model, test_set, per_rank_batch=256, precision=prec,
                                    channels_last=job["channels_last"])["top1"]
     ranks = comm.gather_object(mine)
     return {"ranks": ranks, "backend": rt.backend, "world_size": rt.world_size}

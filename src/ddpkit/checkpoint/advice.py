@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 from torch import nn
 
 from ..base.wrap import unwrap
+from ..data.batch import Batch
 
 __all__ = ["world_change_line", "cadence_line", "grace_line", "restarts_allowed",
            "AUTO_FIRST_SAVE", "young_daly_steps", "auto_cadence_line"]
@@ -121,8 +122,10 @@ def world_change_line(before: Any, now: int, step: int, loader: Any = None,
                       model: Any = None, saved_batch: Any = None,
                       unmapped: Sequence[str] = ()) -> str:
     """The line for a checkpoint resumed on another number of processes: the step, how the
-    global batch is split now (``saved_batch``: the checkpoint's, when it says), and what is not
-    the same (random streams, ``unmapped``: the extras saved per rank, BatchNorm).
+    global batch is split now (``loader.batch``) and what it was (``saved_batch``: the
+    checkpoint's :class:`~ddpkit.data.batch.Batch`; an int from a checkpoint written before it
+    recorded one: a micro-batch x its world size, taken with this run's accumulation steps), and
+    what is not the same (random streams, ``unmapped``: the extras saved per rank, BatchNorm).
 
     Example::
 
@@ -130,20 +133,25 @@ def world_change_line(before: Any, now: int, step: int, loader: Any = None,
         # 'resumed at step 14 on 2 processes (the checkpoint was written by 3): ...'
     """
     said = [f"resumed at step {step} on {now} processes (the checkpoint was written by {before})"]
-    per_rank = getattr(loader, "batch_size", None)
-    if isinstance(per_rank, int):
-        total = per_rank * now
-        saved = saved_batch if isinstance(saved_batch, int) else total  # older checkpoints
-        split = saved // before if isinstance(before, int) and before and \
-            saved % before == 0 else None
+    batch = _batch_now(loader, now)
+    if batch is not None:
+        total, per_rank = batch.global_batch, batch.per_rank
+        if isinstance(saved_batch, Batch):
+            saved, split = saved_batch.global_batch, saved_batch.per_rank
+        else:  # older checkpoints: a micro-batch x the world size, or nothing
+            saved = saved_batch * batch.accum_steps if isinstance(saved_batch, int) else total
+            split = saved // before if isinstance(before, int) and before and \
+                saved % before == 0 else None
+        micro = (f" in {batch.accum_steps} micro-batches of {batch.micro_batch}"
+                 if batch.accum_steps > 1 else "")
         if saved == total:
-            said.append(f"each batch still spans {total} samples: {per_rank} a rank"
+            said.append(f"each batch still spans {total} samples: {per_rank} a rank{micro}"
                         f"{'' if split is None else f', was {split}'}; the epoch goes on with "
                         "every sample once")
         else:
-            said.append(f"each batch now spans {total} samples ({per_rank} a rank), was {saved}"
-                        f"{'' if split is None else f' ({split} a rank)'}; the epoch goes on "
-                        "with every sample once")
+            said.append(f"each batch now spans {total} samples ({per_rank} a rank{micro}), was "
+                        f"{saved}{'' if split is None else f' ({split} a rank)'}; the epoch goes "
+                        "on with every sample once")
     said.append("each rank's random stream starts afresh")
     if unmapped:
         many = len(unmapped) > 1
@@ -157,6 +165,16 @@ def world_change_line(before: Any, now: int, step: int, loader: Any = None,
                     "rank's batch alone, so results depend on the world size (SyncBatchNorm "
                     "on GPUs: --sync-bn, or rt.wrap(model, sync_bn=True))")
     return "; ".join(said)
+
+
+def _batch_now(loader: Any, world: int) -> Optional[Batch]:
+    """The loader's step batch; one micro-batch a rank for a loader that carries none."""
+    batch = getattr(loader, "batch", None)
+    if isinstance(batch, Batch):
+        return batch
+    per_rank = getattr(loader, "batch_size", None)
+    return Batch(per_rank * world, world, 1, per_rank) if isinstance(per_rank, int) and \
+        per_rank > 0 and world > 0 else None
 
 
 def _unsynced_batchnorm(model: Any) -> int:

@@ -32,6 +32,7 @@ from .sharded import (async_group, async_writer, is_sharded, remove_shards, save
 from ..faults import stall
 from ..faults.stops import StopRequested, signal_name
 from ..base.wrap import unwrap
+from ..data.batch import Batch
 
 __all__ = ["Checkpointer"]
 
@@ -343,8 +344,9 @@ class Checkpointer:
         extras = gather_extras(extras)  # a collective: those that differ are kept per rank
         progress = {"epoch": self.epoch, "step": self.global_step, "mid_epoch": self.mid_epoch,
                     "last_batch_out": self.mid_epoch and self._last_batch_out()}
-        if isinstance(getattr(self.loader, "batch_size", None), int):  # said on another world size
-            progress["global_batch"] = self.loader.batch_size * self.rt.world_size
+        batch = getattr(self.loader, "batch", None)
+        if isinstance(batch, Batch):  # said on another world size; "global_batch" alone: older
+            progress.update(global_batch=batch.global_batch, batch=batch.as_dict())
         return {**weights, **parts, **extras, "loader": loader, "progress": progress,
                 "rng": comm.gather_object(rng_state()) if rng else None,
                 "world_size": self.rt.world_size, "config": self.config,
@@ -394,4 +396,10 @@ class Checkpointer:
         else:
             comm.print0(world_change_line(ckpt.get("world_size"), self.rt.world_size,
                                           self.global_step, self.loader, self.model,
-                                          ckpt["progress"].get("global_batch"), unmapped))
+                                          _saved_batch(ckpt["progress"]), unmapped))
+
+
+def _saved_batch(progress: Mapping[str, Any]) -> Any:
+    """The batch a checkpoint was written with: its :class:`Batch`, or from a checkpoint written
+    before one was recorded, the old ``global_batch`` (a micro-batch x the world size) or None."""
+    return Batch.recorded(progress) if "batch" in progress else progress.get("global_batch")

@@ -23,7 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                   + ", ".join(ROWS))
     p.add_argument("--model", help="built-in model (default resnet18; small_cnn with --quick "
                                    "or --accuracy)")
-    p.add_argument("--batch", type=int, default=64, help="per-rank batch per optimizer step")
+    p.add_argument("--per-rank-batch", "--batch", dest="batch", type=int, default=64,
+                   help="a process's batch per optimizer step (default 64; a GPU's in the dp "
+                        "row): the global batch is it x the processes, as results.json's "
+                        "global_batch says; --batch is the older spelling")
     p.add_argument("--nproc", type=int, default=2, help="processes of the multi-process rows")
     p.add_argument("--threads", type=int, default=1, help="threads per process (DDP rows)")
     p.add_argument("--steps", type=int, help="timed optimizer steps per row and round")

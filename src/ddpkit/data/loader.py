@@ -17,7 +17,7 @@ from ..env.detect import ClusterEnv
 from ..base.errors import ConfigError
 from .seeds import (EpochTagged, SeededEachSample, SeededSamples, WorkerInit, sample_seed,
                            worker_seed)
-from .batch import split_batch
+from .batch import Batch
 from .resident import ResidentData, batches_in, choose_resident, resident_batches
 
 
@@ -145,10 +145,13 @@ class DistributedLoader:
     Iterating the loader calls ``sampler.set_epoch(epoch)`` first, so shuffling differs each
     epoch without user code. ``state_dict`` / ``load_state_dict`` record the epoch and the
     number of batches already consumed, so a resumed run continues with the very next sample.
+    ``batch_size`` is torch's: this rank's micro-batch; ``batch`` is the optimizer step's
+    (:class:`~ddpkit.data.batch.Batch`: global batch, world size, accumulation steps, micro-batch).
 
     Example::
 
         loader = make_loader(dataset, batch_size=256, env=env)
+        loader.batch.global_batch, loader.batch_size   # 256, and 256 / world size a rank
         for epoch in range(10):
             for x, y in loader:      # set_epoch(epoch) was called for you
                 ...
@@ -157,7 +160,11 @@ class DistributedLoader:
     def __init__(self, dataset: Dataset, sampler: ResumableSampler, batch_size: int,
                  loader_kwargs: Dict[str, Any], seed: int, rank: int,
                  resident: Optional[ResidentData] = None) -> None:
+        #: as in torch's DataLoader: the samples of one batch it gives, this rank's micro-batch
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+        #: the optimizer step's batch (:class:`~ddpkit.data.batch.Batch`), set by make_loader;
+        #: built by hand, a loader's batch is one micro-batch a rank, no accumulation
+        self.batch = Batch(batch_size * sampler.num_replicas, sampler.num_replicas, 1, batch_size)
         #: The data on the device (:mod:`ddpkit.data.resident`), or None: the DataLoader path.
         self.resident = resident
         self.loader_kwargs, self.seed, self.rank = loader_kwargs, seed, rank
@@ -368,7 +375,8 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *, accum_ste
         len(loader)   # batches per rank per epoch
         make_loader(train_set, 256, env, seed_each_sample=True)   # the same at any world size
     """
-    per_rank = per_rank_batch or split_batch(batch_size, env.world_size, accum_steps)
+    batch = Batch.of(batch_size, env.world_size, accum_steps, per_rank_batch=per_rank_batch)
+    per_rank = batch.micro_batch
     if num_workers < 0:
         raise ConfigError(f"number of loader workers must be >= 0, got {num_workers}")
     watch = observe.active()
@@ -379,7 +387,8 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *, accum_ste
             raise ConfigError(f"--accum-steps {micro} does not divide the script's batch of "
                               f"{per_rank}: pass --accum-steps equal to --nproc, a divisor "
                               f"of {per_rank}")
-        per_rank //= micro
+        per_rank //= micro  # the step's batch is the same, taken as micro x more micro-batches
+        batch = Batch(batch.global_batch, 1, batch.accum_steps * micro, per_rank)
         sampler: ResumableSampler = MicroStepSampler(
             dataset, num_replicas=micro, rank=0, shuffle=shuffle, seed=seed,
             drop_last=drop_last, micro_batch=per_rank)
@@ -394,14 +403,16 @@ def make_loader(dataset: Dataset, batch_size: int, env: ClusterEnv, *, accum_ste
     data = choose_resident(dataset, device or torch.device("cpu"), resident) \
         if collate_fn is None or resident is True else None
     loader = DistributedLoader(dataset, sampler, per_rank, kwargs, seed, env.rank, data)
+    loader.batch = batch
     loader.watched = watch is not None
     loader.seed_each_sample = seed_each_sample
-    _check_not_empty(loader, len(dataset), batch_size, env.world_size)  # type: ignore[arg-type]
+    _check_not_empty(loader, len(dataset), batch.global_batch,  # type: ignore[arg-type]
+                     env.world_size)
     if watch is not None:  # ddpkit verify: how the loader was asked for
         watch.loader({"seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                       "batch_per_rank": per_rank, "samples": len(dataset),  # type: ignore
                       "batches": len(loader), "micro_steps": micro,
-                      "global_batch": per_rank * env.world_size * micro,
+                      "global_batch": batch.global_batch, "batch": batch.as_dict(),
                       "seed_each_sample": seed_each_sample, "num_workers": num_workers},
                      dataset)
     return loader

@@ -40,7 +40,7 @@ def evaluate_checkpoint(cfg: TrainConfig, rt: Any, model: Any, test_set: Any) ->
                           "a checkpoint file or a run's checkpoints directory")
     ckpt = found[1] if found else load_checkpoint(chosen, map_location="cpu")
     load_weights(model, None, ckpt, Path(chosen))
-    result = rt.evaluate(model, test_set, batch_size=cfg.eval_batch_size,
+    result = rt.evaluate(model, test_set, per_rank_batch=cfg.eval_batch_size,
                          precision=Precision(cfg.precision, rt.device),
                          channels_last=cfg.channels_last)
     if dataset_key(cfg.data) == "text" and "loss" in result:

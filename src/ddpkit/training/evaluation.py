@@ -72,8 +72,24 @@ def _eval_batches(data: Any, batch_size: int, num_workers: int, device: torch.de
     return loader
 
 
+_EVAL_BATCH = 256  #: evaluate's per_rank_batch unless told
+
+
+def _per_rank(per_rank_batch: int, batch_size: Optional[int]) -> int:
+    """evaluate's batch, a rank's: ``per_rank_batch=``, or ``batch_size=``, its older name."""
+    if batch_size is not None:
+        if per_rank_batch not in (_EVAL_BATCH, batch_size):
+            raise ConfigError(f"evaluate: per_rank_batch={per_rank_batch} and batch_size="
+                              f"{batch_size} name the same number (a rank's batch); give one")
+        per_rank_batch = batch_size
+    if not isinstance(per_rank_batch, int) or per_rank_batch < 1:
+        raise ConfigError(f"evaluate: per_rank_batch must be >= 1, got {per_rank_batch!r}")
+    return per_rank_batch
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
+def evaluate(model: nn.Module, data: Dataset, *, per_rank_batch: int = _EVAL_BATCH,
+             batch_size: Optional[int] = None,
              loss_fn: Optional[Callable[..., torch.Tensor]] = None,
              topk: Sequence[int] = (1, 5), device: Optional[torch.device] = None,
              precision: Optional[Precision] = None, metrics: Optional[Mapping[str, Any]] = None,
@@ -117,7 +133,9 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     rank's own buffers are put back afterwards: the training goes on exactly as without the
     evaluation.
 
-    ``batch_size`` is per rank. Runs the unwrapped module, so DDP never waits on a collective
+    ``per_rank_batch`` is each rank's batch (``batch_size=`` is its older name, the same number;
+    given both, they must agree): the result is exact whatever it is, so it sets only memory and speed, per
+    device, as an evaluation batch does in Lightning or Accelerate. Runs the unwrapped module, so DDP never waits on a collective
     while ranks process different numbers of batches. Sums stay on the device until the end
     (no sync per batch); ``resident`` is as in :func:`ddpkit.data.loader.make_loader` (on a GPU, data
     that fits is evaluated from device memory). The RNG streams (Python, NumPy, torch) are left
@@ -125,13 +143,14 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
 
     Example::
 
-        result = evaluate(model, test_set, batch_size=128)
+        result = evaluate(model, test_set, per_rank_batch=128)
         print0(f"top-1 {result['top1']:.2f}% on {result['count']} samples")
         lm = evaluate(gpt, val_tokens, topk=())          # (B, T, V) logits: per-token loss
         print0(f"perplexity {perplexity(lm['loss']):.2f} over {lm['count']} tokens")
         reg = evaluate(regressor, val_rows)             # (B, 1) outputs, float (B,) targets
         print0(f"r2 {reg['r2']:.4f}, mae {reg['mae']:.3f}")
     """
+    batch = _per_rank(per_rank_batch, batch_size)
     net = unwrap(model)
     device = device or next(net.parameters()).device
     scorer = _Scorer(loss_fn, tuple(topk), ignore_index, shift_labels, step,
@@ -142,7 +161,7 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256,
     with preserved_rng(), rank0_buffers(net), stall.phase("evaluation"):
         net.eval()
         try:
-            batches = _eval_batches(data, batch_size, num_workers, device, resident, collate_fn)
+            batches = _eval_batches(data, batch, num_workers, device, resident, collate_fn)
             # FSDP gathers parameters collectively: every rank runs as many forwards (fillers
             # uncounted)
             paired = _lockstep(batches, data, collate_fn) if is_sharded(net) else \

@@ -66,7 +66,7 @@ class FitConfig:
     scheduler_interval: str = "epoch"                      # or "step"
     eval_data: Any = None
     eval_every: int = 1
-    eval_batch_size: int = 256
+    eval_batch_size: int = 256                             # per rank (evaluate's per_rank_batch)
     monitor: str = "top1"                                  # eval metric that picks the best epoch
     logger: Optional[RunLogger] = None
     checkpoint: Optional[CheckpointPolicy] = None

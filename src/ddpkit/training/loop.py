@@ -151,7 +151,7 @@ class _Fit:
                                                  device=self.rt.device)
         start = time.perf_counter()
         bar = progress_bar(self.loader, len(self.loader), f"epoch {self.state.epoch + 1}",
-                       self.cfg.progress, self.loader.batch_size * self.rt.world_size)
+                       self.cfg.progress, self.loader.batch.per_micro_step)
         for batch in bar:
             loss = self._forward_backward(batch, self.loader.at_last_batch)
             for hook in self.cfg.hooks:
@@ -224,7 +224,7 @@ class _Fit:
         if self.cfg.eval_data is None:
             return {}
         result = self.rt.evaluate(self.model, self.cfg.eval_data,
-                                  batch_size=self.cfg.eval_batch_size, loss_fn=self.cfg.loss_fn,
+                                  per_rank_batch=self.cfg.eval_batch_size, loss_fn=self.cfg.loss_fn,
                                   precision=self.precision, channels_last=self.cfg.channels_last,
                                   step=self.cfg.step if self._step_gives_sums else None,
                                   topk=self.cfg.eval_topk)

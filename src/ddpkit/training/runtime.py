@@ -105,12 +105,15 @@ class Runtime:
     def loader(self, dataset: Dataset, batch_size: int, **kwargs: Any) -> DistributedLoader:
         """A loader of this rank's share; ``batch_size`` is the *global* batch of one optimizer
         step (with ``accum_steps=K``, each batch it gives is one of the K micro-batches of a
-        step: the one rule, in ``ddpkit/data/batch.py``). See :func:`make_loader`.
+        step: the one rule, in ``ddpkit/data/batch.py``). The split, decided here once, is
+        ``loader.batch``; ``loader.batch_size`` is torch's, this rank's micro-batch. See
+        :func:`make_loader`.
 
         Example::
 
             loader = rt.loader(train_set, batch_size=256, num_workers=2, seed=0)
             loader = rt.loader(train_set, batch_size=256, accum_steps=4)  # 64 / ranks a batch
+            loader.batch   # Batch(global_batch=256, world_size=..., accum_steps=4, micro_batch=...)
         """
         return make_loader(dataset, batch_size, self.env, device=self.device, **kwargs)
 
@@ -145,7 +148,7 @@ class Runtime:
 
         Example::
 
-            metrics = rt.evaluate(model, test_set, batch_size=256)
+            metrics = rt.evaluate(model, test_set, per_rank_batch=256)
         """
         kwargs.setdefault("device", self.device)
         return evaluate(model, data, **kwargs)

@@ -408,9 +408,15 @@ def _fails_on_n(one: RunRecord, nproc: int, exc: RunFailed) -> Verdict:
 
 
 def _check_divides(one: RunRecord, nproc: int) -> None:
-    """The global batch of the 1-process run must split evenly over ``nproc`` ranks."""
-    batch = one.loaders[0].get("global_batch") if one.loaders else None
-    if batch and batch % nproc:
-        good = [n for n in range(2, batch + 1) if batch % n == 0][:3]
-        raise ConfigError(f"--nproc {nproc} does not divide the script's global batch of {batch} "
-                          f"(rt.loader): pass --nproc {' or '.join(map(str, good))}")
+    """The global batch of the 1-process run must split evenly over ``nproc`` ranks and the
+    script's own accumulation steps (``loader.batch``, as rt.loader recorded it)."""
+    record = one.loaders[0] if one.loaders else {}
+    batch = record.get("global_batch")
+    # the script's own steps: a 1-process run of --accum-steps K took K times as many
+    unit = max((record.get("batch") or {}).get("accum_steps", 1)
+               // max(record.get("micro_steps", 1), 1), 1)
+    if batch and batch % (nproc * unit):
+        good = [n for n in range(2, batch + 1) if batch % (n * unit) == 0][:3]
+        of = f" in {unit} accumulation steps" if unit > 1 else ""
+        raise ConfigError(f"--nproc {nproc} does not divide the script's global batch of {batch}"
+                          f"{of} (rt.loader): pass --nproc {' or '.join(map(str, good)) or 1}")
