@@ -192,26 +192,19 @@ class Checkpointer:
         """
         self.global_step = self.global_step + 1 if global_step is None else int(global_step)
         self.rt.heartbeat.step(self.global_step)  # read by the other ranks if a collective hangs
-        due = self._due()  # the same on every rank
+        due = self.directory is not None and self.cadence.due(  # the same on every rank
+            self.global_step, self._first_step,
+            self.loader is not None and self.loader.at_last_batch)
         saved = self.save() if due else None
-        asking = self._stop_question_due()
+        # every rank asks about a stop at the same steps, so all stop after the same one
+        asking = self._stop_questions.due(self.global_step, self._first_step, self._started,
+                                          self.rt.stops.installed)
         if asking and self.background is not None and not due:
             self.background.poll()  # a failed write stops every rank here, one line
         signum = self.rt.stops.poll(self.rt.engine) if asking else None
         if signum is not None:
             self.stop(signum, saved, saved_now=due)
         return saved
-
-    def _due(self) -> bool:
-        if self.directory is None:
-            return False
-        return self.cadence.due(self.global_step, self._first_step,
-                                self.loader is not None and self.loader.at_last_batch)
-
-    def _stop_question_due(self) -> bool:
-        # Every rank asks at the same steps, so all stop after the same one (.stopping).
-        return self._stop_questions.due(self.global_step, self._first_step, self._started,
-                                        self.rt.stops.installed)
 
     def stop(self, signum: int, saved: Optional[Path] = None, saved_now: bool = False) -> None:
         """Save (unless ``saved_now``, or a save ended after the signal came: that one is the
