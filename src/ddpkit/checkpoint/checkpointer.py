@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Set, Union
 
 from torch import nn
 
@@ -20,39 +20,50 @@ from .background import BackgroundSaver, gathered_rng
 from .files import (_save_on_main, checkpoint_metadata, checkpoint_name, load_checkpoint,
                     resolve_resume, save_checkpoint)
 from ..base.observe import own_directory
-from .advice import (AUTO_FIRST_SAVE, auto_cadence_line, cadence_line, grace_line,
-                     restarts_allowed, world_change_line, young_daly_steps)
+from .advice import world_change_line
 from ..base.seed import rng_state, set_rng_state
-from .position import save_outlived_signal, where
+from .cadence import Cadence
+from .position import where
 from .shared_dir import check_shared
 from .per_rank import gather_extras
-from .restore import load_parts, load_weights, next_position, not_this_run, stateful
+from .registry import check_register, restore_value, stateful
+from .restore import load_parts, load_weights, next_position, not_this_run
 from .sharded import (async_group, async_writer, is_sharded, remove_shards, save_shards,
                       start_shards)
+from .stopping import StopQuestions, last_save_ends_stop, stop_line
 from ..faults import stall
-from ..faults.stops import StopRequested, signal_name
+from ..faults.stops import StopRequested
 from ..base.wrap import unwrap
 from ..data.batch import Batch
 
-__all__ = ["Checkpointer"]
+if TYPE_CHECKING:  # PyTorch's protocol (torch >= 2.4); importing it loads all of DCP (~2 s)
+    from torch.distributed.checkpoint.stateful import Stateful
 
-_STOP_CALIBRATION = 20  # the optimizer step at which the ranks settle how often to ask
+__all__ = ["Checkpointer"]
 
 
 class Checkpointer:
     """Save and resume a training run exactly, from any loop; create it with
     :meth:`ddpkit.Runtime.checkpointer` on EVERY rank, after the model, optimizer and loader.
 
-    It restores the newest checkpoint at once when ``resume`` finds one (``"auto"``: the newest
-    in ``directory``, if any; a path: that file or directory; ``None``: never). Then call
-    :meth:`step` once after each optimizer step, on every rank: it counts steps, saves when due
-    (``every_steps``, ``every_minutes``, each epoch's last batch when ``every_epoch``); asked to
-    stop (SIGTERM, SIGUSR1) every rank finishes the same step, saves, and exits 128 + signal.
+    When restoring happens, exactly: in the constructor, when ``resume`` finds a checkpoint
+    (``"auto"``: the newest in ``directory``, if any; a path: that file or directory;
+    ``None``: never); it prints ``resumed from ... at step N``, and :attr:`resumed` names the
+    file. An object given to :meth:`register` later is loaded at once from that checkpoint
+    when it holds the name. :meth:`restore` does it again, by hand. Nothing restores later.
+
+    Then call :meth:`step` once after each optimizer step, on every rank: it counts steps,
+    saves when due (``every_steps``, ``every_minutes``, each epoch's last batch when
+    ``every_epoch``); asked to stop (SIGTERM, SIGUSR1) every rank finishes the same step,
+    saves, and exits 128 + signal.
 
     A checkpoint holds the unwrapped model, the optimizer, ``scheduler``, ``scaler`` (a
     ``GradScaler``) or ``precision``, the loader's position (mid-epoch included, on any number
-    of ranks), every rank's RNG and ``extra``: values (kept in :attr:`extra`, restored there)
-    or objects with ``state_dict`` / ``load_state_dict`` (restored in place). Stored once:
+    of ranks), every rank's RNG and your own state, by name: ``extra`` and :meth:`register`
+    (one registry, kept in :attr:`extra`) take PyTorch ``Stateful`` objects (``state_dict`` /
+    ``load_state_dict``, as :class:`torch.distributed.checkpoint.stateful.Stateful`: restored
+    in place) or plain values (tensors, numbers, strings, lists, dicts: restored into
+    :attr:`extra`, the script's own lists and dicts in place). Stored once:
     the weights (under DDP), optimizer, scheduler, scaler, loader position and each extra
     equal on every rank; per rank (each rank restores its own): the RNG streams and each extra
     that differs between ranks (an LSTM's hidden state, say; on another number of ranks it
@@ -65,11 +76,14 @@ class Checkpointer:
 
     Call :meth:`step` last in each optimizer step (after ``scheduler.step()`` and whatever else
     the step changes), and leave the ``with`` block or call :meth:`close` when the loop ends.
+    The pieces: :mod:`.cadence` (when a save is due), :mod:`.stopping` (stops),
+    :mod:`.registry` (your state), :mod:`.restore` (putting a checkpoint back).
 
     Example::
 
         with rt.checkpointer("runs/x/ckpt", model=model, optimizer=opt, loader=loader,
                              scheduler=sched, every_steps=200, extra={"best": 0.0}) as ckpt:
+            ckpt.register("ema", ema)                    # resumed: ema is loaded here
             for epoch in range(ckpt.epoch, epochs):     # resumed: continues where it stopped
                 for x, y in loader:                      # ... mid-epoch too
                     ...
@@ -86,27 +100,28 @@ class Checkpointer:
                  config: Optional[Mapping[str, Any]] = None, async_save: bool = False,
                  mtbf_hours: float = 24.0) -> None:
         check_options(every_steps, every_minutes, keep, extra, mtbf_hours)
-        # every_steps="auto": the MTBF (s) to choose the cadence from, once measured (then None)
-        self._auto_mtbf = 3600.0 * mtbf_hours if every_steps == "auto" else None
-        every_steps = 0 if every_steps == "auto" else every_steps
+        #: when a save is due (every_steps, every_minutes, every_epoch, "auto"), and its advice
+        self.cadence = Cadence(every_steps, every_minutes, every_epoch, mtbf_hours)
         check_parts(model, loader)
         check_same_on_every_rank(directory)
         directory = own_directory(directory)  # under ddpkit verify: this run's own
         self.rt, self.model, self.optimizer, self.loader = rt, model, optimizer, loader
         self.parts = {"scheduler": scheduler, "scaler": scaler, "precision": precision}
         self.directory = None if directory is None else Path(directory).expanduser()
-        self.every_steps, self.every_minutes, self.every_epoch = every_steps, every_minutes, every_epoch
         self.keep, self.config = keep, dict(config or {})
-        #: The user's extras: plain values are read and updated here; restored on resume.
+        #: Your own state by name (``extra=`` and :meth:`register`): Stateful objects, and
+        #: plain values read and updated here; restored on resume.
         self.extra: Dict[str, Any] = dict(extra or {})
+        # names the resumed checkpoint put in extra that nobody registered (yet): register()
+        # loads their values into the object it is given
+        self._unclaimed: Set[str] = set()
         self.global_step = 0          #: optimizer steps done (restored on resume)
         self.resumed: Optional[str] = None   #: the checkpoint this run resumed from, if any
         self.last_saved: Optional[Path] = None   #: the newest checkpoint written (rank 0)
         self.saved_step: Optional[int] = None    #: the step it holds, on every rank
         self._epoch = 0               # without a loader: the epoch a resumed checkpoint names
-        self._last_save_time = time.monotonic()
-        self._first_step, self._stop_every = 0, 1
-        self._cadence_said = self._grace_said = False
+        self._first_step = 0          # the step this process began counting from
+        self._stop_questions = StopQuestions()
         self._resumed_at_end = False  # the checkpoint resumed from was after its epoch's last batch
         self._graceful = contextlib.ExitStack()
         #: asynchronous saves (None: each save writes before the step goes on)
@@ -143,6 +158,22 @@ class Checkpointer:
             return self._resumed_at_end
         return self.loader is not None and self.loader.at_last_batch
 
+    @property
+    def every_steps(self) -> int:
+        """Optimizer steps between saves (0: off); with ``"auto"``, 0 until the measuring save
+        chooses it."""
+        return self.cadence.every_steps
+
+    @property
+    def every_minutes(self) -> float:
+        """Minutes between saves (0: off), by rank 0's clock."""
+        return self.cadence.every_minutes
+
+    @property
+    def every_epoch(self) -> bool:
+        """Whether each epoch's last batch saves."""
+        return self.cadence.every_epoch
+
     def _where(self, mid: str = "") -> str:
         """' (epoch 2)', ' (end of epoch 3)': the position for the stop and resume lines."""
         state = self.loader.state_dict() if self.loader is not None else None
@@ -162,9 +193,13 @@ class Checkpointer:
         """
         self.global_step = self.global_step + 1 if global_step is None else int(global_step)
         self.rt.heartbeat.step(self.global_step)  # read by the other ranks if a collective hangs
-        due = self._due()  # the same on every rank
+        due = self.directory is not None and self.cadence.due(  # the same on every rank
+            self.global_step, self._first_step,
+            self.loader is not None and self.loader.at_last_batch)
         saved = self.save() if due else None
-        asking = self._stop_question_due()
+        # every rank asks about a stop at the same steps, so all stop after the same one
+        asking = self._stop_questions.due(self.global_step, self._first_step, self._started,
+                                          self.rt.stops.installed)
         if asking and self.background is not None and not due:
             self.background.poll()  # a failed write stops every rank here, one line
         signum = self.rt.stops.poll(self.rt.engine) if asking else None
@@ -172,54 +207,28 @@ class Checkpointer:
             self.stop(signum, saved, saved_now=due)
         return saved
 
-    def _due(self) -> bool:
-        if self.directory is None:
-            return False
-        due = bool(self.every_steps) and self.global_step % self.every_steps == 0
-        if self._auto_mtbf is not None:  # the save that measures the cost
-            due = due or self.global_step == self._first_step + AUTO_FIRST_SAVE
-        if self.every_epoch and self.loader is not None and self.loader.at_last_batch:
-            due = True
-        if self.every_minutes > 0:
-            # Rank 0's clock decides, so all ranks enter the (collective) save together.
-            late = time.monotonic() - self._last_save_time >= 60 * self.every_minutes
-            due = due or bool(comm.broadcast_object(late))
-        return due
-
-    def _stop_question_due(self) -> bool:
-        # Every rank asks at the same steps, so all stop after the same one: every step at
-        # first, then about every 0.25 s by rank 0's measure of the step time (the question
-        # costs ~0.3-0.4 ms on gloo, on a side group of CPU numbers: no device sync).
-        step = self.global_step
-        if step == self._first_step + _STOP_CALIBRATION and self.rt.stops.installed:
-            per_step = (time.monotonic() - self._started) / max(1, step - self._first_step)
-            self._stop_every = int(comm.broadcast_object(max(1, round(0.25 / per_step))))
-        return step % self._stop_every == 0
-
     def stop(self, signum: int, saved: Optional[Path] = None, saved_now: bool = False) -> None:
         """Save (unless ``saved_now``, or a save ended after the signal came: that one is the
-        stop's) and leave with 128 + ``signum``: every rank calls it."""
+        stop's) and leave with 128 + ``signum``: every rank calls it (:meth:`step` does on
+        SIGTERM / SIGUSR1).
+
+        Example::
+
+            ckpt.stop(signal.SIGTERM)   # saves, says so, raises StopRequested (exit 143)
+        """
         self.rt.stops.settle()
         if not saved_now:
             saved = self._save_for_stop()
         self.wait()  # the stop's checkpoint is on disk before the exit
-        # another rank may have asked first: this one got its own signal later, or none
-        got = self.rt.stops.received_at
-        when = (f"{max(0.0, time.monotonic() - got):.1f} s after the signal" if got is not None
-                else "(the signal reached another rank)")
-        held = f" (step {self.saved_step})" if self.saved_step != self.global_step else ""
-        what = (f"checkpoint {saved}{held} saved {when}" if saved else
-                "nothing saved" if self.directory is None else
-                f"checkpoint saved in {self.directory}")
-        comm.print0(f"stopped by {signal_name(signum)} at step {self.global_step}"
-                    f"{self._where()}: {what}")
+        comm.print0(stop_line(signum, self.global_step, self._where(), saved, self.saved_step,
+                              self.directory, self.rt.stops.received_at))
         raise StopRequested(signum)
 
     def _save_for_stop(self) -> Optional[Path]:
         # A save complete after the signal (under way when it came, say) ends the stop: a
         # second one, on a slow disk, could outlast the launcher's grace period. Every rank votes.
-        saved_at = self._last_save_time if self.saved_step is not None else None
-        if comm.reduce(int(save_outlived_signal(self.rt.stops.received_at, saved_at)), "min"):
+        saved_at = self.cadence.last_save_time if self.saved_step is not None else None
+        if last_save_ends_stop(self.rt.stops.received_at, saved_at):
             return self.last_saved
         return self.save()
 
@@ -275,28 +284,10 @@ class Checkpointer:
                 path = self._save_in_background(self.directory)
             else:
                 path = self._save_now(self.directory)
-        self._last_save_time = time.monotonic()
         self.last_saved, self.saved_step = path, self.global_step
-        measured = self.global_step - self._first_step  # steps timed since this process began
-        if self._auto_mtbf is not None and measured > 0:
-            self._choose_cadence((began - self._started) / measured,
-                                 self._last_save_time - began)
-        per_step, save_s = (began - self._started) / max(1, measured), self._last_save_time - began
-        if not self._cadence_said and measured > 0:   # said once, after the first timed save
-            self._cadence_said = True
-            if restarts_allowed():
-                comm.print0(cadence_line(self.every_steps, self.every_minutes, per_step, save_s))
-        # every timed save until said: a disk can slow down after the first
-        warning = grace_line(per_step, save_s) if not self._grace_said and measured > 0 else None
-        if warning:
-            self._grace_said = True
-            comm.print0(warning)
+        # steps timed since this process began: "auto" chooses, the advice is said once
+        self.cadence.saved(began, self.global_step - self._first_step, self._started)
         return path
-
-    def _choose_cadence(self, step_s: float, save_s: float) -> None:
-        steps = comm.broadcast_object(young_daly_steps(save_s, step_s, self._auto_mtbf))  # rank 0's
-        comm.print0(auto_cadence_line(steps, step_s, save_s, self._auto_mtbf))
-        self.every_steps, self._auto_mtbf, self._cadence_said = int(steps), None, True
 
     def _save_now(self, directory: Path) -> Optional[Path]:
         shards = None
@@ -352,10 +343,36 @@ class Checkpointer:
                 "world_size": self.rt.world_size, "config": self.config,
                 "meta": checkpoint_metadata()}
 
+    # ------------------------------------------------------------------ your own state
+    def register(self, name: str, obj: Union["Stateful", Any]) -> Any:
+        """Save ``obj`` under ``name`` from now on, on every rank: a PyTorch ``Stateful``
+        (``state_dict`` / ``load_state_dict``) or a plain value (tensors, numbers, strings,
+        lists, dicts), as in ``extra=`` (the same registry, :attr:`extra`). When this run
+        resumed from a checkpoint that holds ``name``, it is loaded at once: the object in
+        place, a plain value into :attr:`extra` (a list or dict refilled in place). Returns
+        what :attr:`extra` holds under ``name`` now. A name the checkpoint uses itself or one
+        registered already, or an object neither Stateful nor plain: a one-line
+        :class:`~ddpkit.ConfigError`.
+
+        Example::
+
+            ckpt = rt.checkpointer("runs/x/ckpt", model=model, optimizer=opt, loader=loader)
+            ckpt.register("ema", ema)                  # resumed: ema holds the saved weights
+            best = ckpt.register("best", 0.0)          # resumed: the saved value
+        """
+        check_register(name, obj, set(self.extra) - self._unclaimed)
+        saved = self.extra.get(name)
+        self.extra[name] = obj
+        if name in self._unclaimed:  # the resumed checkpoint holds it
+            self._unclaimed.discard(name)
+            restore_value(self.extra, name, saved)
+        return self.extra[name]
+
     # ------------------------------------------------------------------ restoring
     def restore(self, resume: Union[str, Path] = "auto") -> Optional[str]:
         """Continue from ``resume`` (``"auto"`` or a path), if it finds a checkpoint; every
-        rank calls it (done by the constructor). Returns the path, or None: starting fresh.
+        rank calls it (done by the constructor when ``resume`` is given). Returns the path, or
+        None: starting fresh.
 
         Example::
 
@@ -375,7 +392,9 @@ class Checkpointer:
             return None
         ckpt = found[1] if found else load_checkpoint(chosen, map_location="cpu")
         load_weights(self.model, self.optimizer, ckpt, Path(chosen))
+        registered = set(self.extra) - self._unclaimed
         unmapped = load_parts(self.parts, self.extra, ckpt)  # per rank, on another world size
+        self._unclaimed = set(self.extra) - registered  # kept (and saved again) for register()
         self._load_position(ckpt, unmapped)
         self.resumed = chosen
         # numbered as the stop line numbers it: "at step 9 (epoch 2)", epochs from 1

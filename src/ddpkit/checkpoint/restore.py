@@ -19,6 +19,7 @@ from ..engines import comm
 from .compat import (check_compatible, check_optimizer_compatible, named_model_differs,
                      other_model, plain_state)
 from .per_rank import own_extras
+from .registry import restore_value, stateful
 from .sharded import is_sharded, load_full_state, load_shards
 from ..base.wrap import unwrap
 
@@ -84,14 +85,7 @@ def load_parts(parts: Mapping[str, Any], extra: MutableMapping[str, Any],
             part.load_state_dict(ckpt[name])
     mine, left = own_extras(ckpt, _saved_extras(ckpt), comm.rank(), comm.world_size())
     for name, value in mine.items():
-        current = extra.get(name)
-        if stateful(current):
-            current.load_state_dict(value)
-        elif type(current) is type(value) and isinstance(value, (list, dict)):
-            current.clear()  # in place: the script may hold this very list or dict
-            (current.extend if isinstance(value, list) else current.update)(value)
-        else:
-            extra[name] = value
+        restore_value(extra, name, value)
     return left
 
 
@@ -109,17 +103,6 @@ def next_position(loader: Dict[str, Any], progress: Dict[str, Any]) -> Dict[str,
             int(loader["epoch"]) < int(progress["epoch"]):
         return {**loader, "epoch": int(progress["epoch"]), "samples_done": 0}
     return loader
-
-
-def stateful(value: Any) -> bool:
-    """Whether ``value`` saves and restores itself (``state_dict`` / ``load_state_dict``).
-
-    Example::
-
-        stateful(torch.optim.lr_scheduler.StepLR(opt, 1))   # True
-    """
-    return callable(getattr(value, "state_dict", None)) and \
-        callable(getattr(value, "load_state_dict", None))
 
 
 def _saved_extras(ckpt: Dict[str, Any]) -> Dict[str, Any]:
