@@ -249,3 +249,28 @@ def test_bench_s_batch_flag_says_per_rank_and_the_old_spelling_still_works():
     assert plan_row(ROWS["ddp"], cfg, caps)["global_batch"] == 64
     with pytest.raises(ConfigError, match=r"^--per-rank-batch must be >= 1, got 0$"):
         BenchConfig(batch=0).check()
+
+
+def test_fit_accumulating_over_a_plain_loader_records_the_step_s_batch(tmp_path):
+    # rt.loader(batch_size=8) then fit(accum_steps=2): each optimizer step takes 2 of its
+    # batches, so the step's batch is 16, and the checkpoint says so
+    rt = runtime()
+    loader = rt.loader(data(), batch_size=8)
+    assert loader.batch == Batch(8, 1, 1, 8)
+    net = model()
+    ddpkit.fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), loader,
+               ddpkit.FitConfig(epochs=1, accum_steps=2, progress=False,
+                                checkpoint=ddpkit.CheckpointPolicy(str(tmp_path))))
+    assert loader.batch == Batch(16, 1, 2, 8)
+    assert load_checkpoint(list_checkpoints(tmp_path)[-1])["progress"]["global_batch"] == 16
+
+
+def test_fit_refuses_a_loader_built_for_another_accumulation_in_one_line():
+    rt = runtime()
+    loader = rt.loader(data(), batch_size=16, accum_steps=4)
+    net = model()
+    with pytest.raises(ConfigError) as exc:
+        ddpkit.fit(rt, net, torch.optim.SGD(net.parameters(), lr=0.1), loader,
+                   ddpkit.FitConfig(epochs=1, accum_steps=2, progress=False))
+    assert str(exc.value) == ("the loader was built with accum_steps=4 but fit accumulates "
+                              "accum_steps=2; give both the same value")

@@ -17,6 +17,7 @@ from torch import nn
 from ..engines import comm
 from .accumulate import Accumulator
 from .batches import batch_size_of, channels_last, default_loss, forward, logits_of, step_sums, targets_of, to_device
+from ..data.batch import Batch
 from ..data.loader import DistributedLoader
 from ..base.errors import ConfigError, DDPKitError
 from .evaluation import perplexity
@@ -30,11 +31,27 @@ from ..faults.stops import StopRequested
 __all__ = ["TrainState", "CheckpointPolicy", "FitConfig", "Hook", "fit"]
 
 
+def _adopt_accumulation(loader: Any, accum_steps: int) -> None:
+    """The optimizer step's batch, one value (:class:`~ddpkit.data.batch.Batch`): a loader built
+    without ``accum_steps`` that ``fit`` accumulates over takes ``accum_steps`` of its batches a
+    step, so its value says so (what checkpoints and the progress line read); a loader built for
+    another accumulation is refused in one line."""
+    batch = getattr(loader, "batch", None)
+    if batch is None or accum_steps <= 1 or batch.accum_steps == accum_steps:
+        return
+    if batch.accum_steps != 1:
+        raise ConfigError(f"the loader was built with accum_steps={batch.accum_steps} but fit "
+                          f"accumulates accum_steps={accum_steps}; give both the same value")
+    loader.batch = Batch(batch.global_batch * accum_steps, batch.world_size, accum_steps,
+                         batch.micro_batch)
+
+
 class _Fit:
     """One call of :func:`fit`: the state and the steps of the loop, kept out of the user's way."""
 
     def __init__(self, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
                  loader: DistributedLoader, cfg: FitConfig) -> None:
+        _adopt_accumulation(loader, cfg.accum_steps)
         # Under the Horovod engine the optimizer averages gradients (no-op for DDP, idempotent).
         optimizer = rt.optimizer(optimizer, model, cfg.accum_steps)
         self.rt, self.model, self.optimizer, self.loader, self.cfg = rt, model, optimizer, loader, cfg
