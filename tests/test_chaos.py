@@ -23,6 +23,11 @@ pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLEAN = {k: v for k, v in os.environ.items()
          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+# The agent's grace after a stop signal (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) made
+# long: a job that ends only because the agent killed its workers at the end of it then
+# outlasts the test's wait (and fails it), so "it did not need the grace" holds however slow the
+# host is. (After a worker's failure torch waits a fixed 30 s instead: not this variable.)
+NO_GRACE = dict(CLEAN, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="600")
 
 
 def _lines(text):
@@ -59,12 +64,12 @@ def _workers(marker):
 class Job:
     """`ddpkit train` into ``out`` with a long schedule, started and watched."""
 
-    def __init__(self, out, *flags):
+    def __init__(self, out, *flags, env=CLEAN):
         self.out = str(out)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ddpkit", "train", "--output", self.out, "--no-progress",
              "--epochs", "500", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=CLEAN)
+            text=True, env=env)
 
     def wait_for_training(self, epochs=1, timeout=120):
         """Read stdout until ``epochs`` epochs are done: the job is training for sure."""
@@ -89,13 +94,15 @@ class Job:
                                              (signal.SIGUSR1, 138, "stopped by SIGUSR1")])
 def test_a_stop_signal_to_the_launcher_is_one_line_and_leaves_nothing(tmp_path, sig, status,
                                                                       word):
-    job = Job(tmp_path / "run")
+    job = Job(tmp_path / "run", env=NO_GRACE)
     job.wait_for_training()
-    code, out, err, seconds = job.signal_and_wait(sig)
+    code, out, err, _ = job.signal_and_wait(sig)
     assert code == status, err
     assert _lines(err) == [_lines(err)[0]] and _lines(err)[0].startswith(f"ddpkit run: {word}")
     assert "--resume auto" in err and "Traceback" not in out + err
-    assert seconds < 30 and not _left_behind(job.out)
+    # the workers ended on the stop themselves: with the agent's grace at 600 s (NO_GRACE), one
+    # that waited to be killed would outlast signal_and_wait's 90 s
+    assert not _left_behind(job.out)
     if sig != signal.SIGINT:  # preemption: the step finishes on every rank, then a checkpoint
         assert f"stopped by {signal.Signals(sig).name} at step" in out
         step = int(out.split(" at step ")[1].split()[0])
@@ -185,7 +192,6 @@ def test_sigterm_during_a_slow_save_ends_the_stop_with_that_save(tmp_path):
         for line in proc.stdout:
             if line.startswith("slow fsync of ckpt-000000002.pt"):
                 break
-        start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -197,7 +203,9 @@ def test_sigterm_during_a_slow_save_ends_the_stop_with_that_save(tmp_path):
     assert len(stop) == 1 and stop[0].startswith(
         f"stopped by SIGTERM at step 3 (epoch 1): checkpoint {tmp_path}/ckpt/ckpt-000000002.pt "
         "(step 2) saved "), out
-    assert time.monotonic() - start < 8 and not _left_behind(str(tmp_path))
+    # the stop ended with the save under way: no second save (above), no kill mid-save (the
+    # stop line, exit 143); communicate's 60 s only bounds a hang
+    assert not _left_behind(str(tmp_path))
 
 
 def test_a_stopped_rank_is_named_with_its_stack_and_the_job_ends_soon_after_the_timeout(
@@ -214,7 +222,10 @@ def test_a_stopped_rank_is_named_with_its_stack_and_the_job_ends_soon_after_the_
     seconds = time.monotonic() - start
     text = "\n".join(_lines(err))
     assert job.proc.returncode == 1, text
-    assert seconds < timeout + 10, f"exited {seconds:.0f} s after the stop:\n{text}"
+    # the collective timeout ended it (the line below), and the stopped rank was killed rather
+    # than waited for: torch's fixed 30 s after a failure would end it no sooner than
+    # timeout + 30 s after the stop; here it ended 12 s after the stop, on a busy host
+    assert seconds < timeout + 30, f"exited {seconds:.0f} s after the stop:\n{text}"
     assert f"timed out after {timeout} s" in text and "check the network" not in text
     assert f"rank 1 did not arrive (pid {workers[1]} on " in text and "last finished step" in text
     assert "its Python stack, innermost first:" in text and "(ddpkit/" in text, text
@@ -233,7 +244,6 @@ rt.reduce(torch.ones(1))
 def test_a_rank_that_exits_early_is_named_by_the_rank_that_waited(tmp_path):
     script = tmp_path / "early.py"
     script.write_text(EARLY)
-    start = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
                          capture_output=True, text=True, timeout=120, env=CLEAN)
     assert res.returncode == 1
@@ -242,7 +252,8 @@ def test_a_rank_that_exits_early_is_named_by_the_rank_that_waited(tmp_path):
         "early.py:6 via ddpkit.engines.comm.reduce): every rank must run the same collectives; look for "
         "an early return, sys.exit or a loop that ends sooner on one rank (uneven data)",
         "ddpkit run: rank 0 failed (exit code 1; its error is printed above)"]
-    assert time.monotonic() - start < 60
+    # named by the exit (the line above), not by the collective timeout (10 min by default, far
+    # beyond the run's 120 s timeout)
 
 
 def test_kill_9_before_the_first_checkpoint_restarts_from_scratch(tmp_path):
@@ -287,11 +298,11 @@ rt.reduce(torch.ones(1))
 def test_with_three_ranks_one_report_names_the_stuck_one(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
-    start = time.monotonic()
+    # the 5 s collective timeout ends it (the line below) and rank 2 is named; the 120 s only
+    # bounds a hang (the default collective timeout is 10 min)
     res = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "3", str(script)],
                          capture_output=True, text=True, timeout=120, env=CLEAN)
     assert res.returncode == 1
-    assert time.monotonic() - start < 60
     errors = [line for line in _lines(res.stderr) if "error:" in line]
     assert len(errors) == 1 and "collective all_reduce timed out after 5 s (called at " \
         "stuck.py:7 via ddpkit.engines.comm.reduce" in errors[0], res.stderr

@@ -3,7 +3,6 @@ import errno
 import os
 import pickle
 import random
-import time
 import warnings
 
 import pytest
@@ -378,10 +377,10 @@ def test_pointer_to_elsewhere_is_ignored(tmp_path, capsys):
 def test_two_ranks_one_writer_and_a_rank0_failure_reaches_both(tmp_path):
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("in the way")
-    start = time.monotonic()
+    # rank 1 learns of rank 0's failure from rank 0 (out["errors"] below); were it left waiting
+    # in a collective (10 min by default), launch's 120 s would raise TimeoutError instead
     out = ddpkit.launch(ckptfns.save_then_fail, 2, str(tmp_path / "ck"), str(not_a_directory),
                         timeout=120)
-    assert time.monotonic() - start < 90
     second = str(tmp_path / "ck" / "ckpt-000000002.pt")
     assert out["returned"] == [[str(tmp_path / "ck" / "ckpt-000000001.pt"), second],
                                [None, None]]

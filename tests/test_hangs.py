@@ -143,10 +143,11 @@ for step in range(1, 10):
 
 @pytest.mark.slow
 def test_a_hang_in_a_scripts_own_loop_names_the_last_finished_step(tmp_path):
-    start = time.monotonic()
+    # ended by the script's 5 s collective timeout, which names the rank (below); the run's
+    # 120 s timeout only bounds a hang
     res = _run_on_two(tmp_path / "own_loop.py", OWN_LOOP)
     assert res.returncode == 1, res.stderr
-    assert time.monotonic() - start < 60
+    assert "timed out after 5 s" in res.stderr, res.stderr
     stuck = [line for line in res.stderr.splitlines() if "did not arrive" in line]
     assert len(stuck) == 1 and stuck[0].startswith("  rank 1 did not arrive (pid "), res.stderr
     assert "last finished step 3)" in stuck[0], res.stderr

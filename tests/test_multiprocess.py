@@ -76,10 +76,10 @@ def test_exact_evaluation_awkward_sizes():
 
 
 def test_failing_rank_stops_everyone_with_its_traceback():
-    start = time.monotonic()
+    # the failure stops the other rank: were it left waiting, launch's 120 s would raise
+    # TimeoutError, not this LaunchError
     with pytest.raises(LaunchError, match="(?s)rank 1 failed.*boom on rank 1"):
         ddpkit.launch(rankfns.raise_on_rank, 2, 1, timeout=120)
-    assert time.monotonic() - start < 60
 
 
 def test_timeout_stops_all_ranks():
@@ -132,10 +132,10 @@ def test_two_processes_train_the_same_model_as_one():
 
 
 def test_a_missing_collective_times_out_instead_of_hanging():
-    start = time.monotonic()
+    # rank 0's own 3 s collective timeout ends it (its LaunchError says so); launch's 50 s
+    # would raise TimeoutError instead, and only bounds a hang
     with pytest.raises(LaunchError, match="(?si)rank 0 failed.*(timed out|timeout)"):
         ddpkit.launch(rankfns.one_rank_skips_the_barrier, 2, 3.0, timeout=50)
-    assert time.monotonic() - start < 45
 
 
 def test_ranks_leaving_right_after_a_collective_exit_cleanly():

@@ -291,7 +291,9 @@ def test_preempted_twice_by_slurm_requeues_and_resumes_bitwise_every_sample_once
         "term_to_last_step_s": second[-1]["t"] - driver.t["term"],
     }
     print("slurm preemption:", json.dumps({k: round(v, 2) for k, v in figures.items()}))
-    assert saved and figures["signal_to_last_step_s"] < 30
+    # the stop came within the 60 s --requeue-grace the job asked for (ddpkit's own window;
+    # the agent's grace, 30 s of it, would end the step without the stop line checked above)
+    assert saved and figures["signal_to_last_step_s"] < 60
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -303,10 +305,11 @@ def assert_one_line(job, text, code="2:0"):
     assert len(error_lines(log)) == 1, log[-3000:]
     assert text in error_lines(log)[0], log[-3000:]
     assert "Traceback" not in log
-    # No hang: well within any timeout (the rendezvous waits 600 s, a collective 30 min). The
-    # jobs start side by side on 2 cores; the shared-directory check looks for 10 s first.
+    # No hang: ended by the check that says the line, not by a timeout (the rendezvous waits
+    # 600 s, a collective 30 min). The jobs start side by side on 2 cores; the shared-directory
+    # check looks for 10 s first; 300 s leaves a host 3x slower room and is half the first timeout.
     started, ended = (datetime.fromisoformat(info.fields[k]) for k in ("StartTime", "EndTime"))
-    assert (ended - started).total_seconds() < 150, f"took {ended - started}"
+    assert (ended - started).total_seconds() < 300, f"took {ended - started}"
     return info
 
 

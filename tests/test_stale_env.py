@@ -64,11 +64,9 @@ def _listening(port, proc, timeout=60.0):
 ])
 def test_stale_variables_end_with_one_line_after_the_short_wait(tmp_path, rank, what):
     port = free_port()
-    start = time.monotonic()
     proc = _start(tmp_path, rank, port)
     if rank == 0:  # the wait begins when its store is up, after Python and torch have loaded
         assert _listening(port, proc)
-        start = time.monotonic()
     out, err = proc.communicate(timeout=60)
     prefix = "" if rank == 0 else f"[rank {rank}] "
     assert proc.returncode == 2 and out == ""
@@ -76,8 +74,8 @@ def test_stale_variables_end_with_one_line_after_the_short_wait(tmp_path, rank, 
         f"{prefix}error: RANK={rank} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port} say "
         f"this is rank {rank} of a job of 2, but {what.format(port=port)}: "
         + ADVICE.format(script="train.py")]
-    # 3 s, not the 600 s collective timeout (rank 1: from its start, imports included)
-    assert time.monotonic() - start < 30
+    # the line names the 3 s wait as what ended it; the 600 s collective timeout would have
+    # outlasted communicate's 60 s (rank 1: from its start, imports included)
 
 
 @pytest.mark.slow
@@ -85,11 +83,11 @@ def test_ctrl_c_during_the_wait_ends_quietly_with_130(tmp_path):
     port = free_port()
     proc = _start(tmp_path, 0, port, wait=60)
     assert _listening(port, proc), proc.communicate()[1]
-    sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
+    # the Ctrl-C ended the wait (130, nothing said); the 60 s wait running out would say its
+    # line and exit 2, and only after communicate's 30 s
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and err == "" and out == ""
-    assert time.monotonic() - sent < 5
 
 
 @pytest.mark.slow
