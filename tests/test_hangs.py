@@ -252,3 +252,15 @@ def test_the_stack_of_a_stopped_process_is_read(tmp_path):
         proc.wait()
     assert stack is not None and stack[0] == "Net.forward (stuck.py:6)", stack
     assert stack[-1] == "<module> (stuck.py:7)", stack
+
+
+def test_a_stack_that_cannot_be_read_says_why(monkeypatch):
+    # a report once blamed a missing py-spy for a stack py-spy had failed to read
+    from ddpkit.faults import hangs
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid nothing runs under any more
+    stack, why = hangs.stack_or_why(gone.pid)
+    assert stack is None and why.startswith("py-spy could not read its stack"), why
+    monkeypatch.setattr(hangs.shutil, "which", lambda name: None)
+    monkeypatch.setattr(hangs, "_next_to_python", lambda name: None)
+    assert hangs.stack_or_why(gone.pid) == (None, "pip install py-spy to see its Python stack")

@@ -393,17 +393,17 @@ def _left_early(left: Any, tb: Any) -> str:
 
 
 def _stuck_report(stuck: Any) -> str:
-    from .hangs import python_stack, stop_local
+    from .hangs import stack_or_why, stop_local
 
     lines = []
     for rec in stuck:
         step = rec.get("step")
         where = (f"pid {rec.get('pid', '?')} on {rec.get('host', '?')}, "
                  f"{'last finished step ' + str(step) if step is not None else 'no step finished'}")
-        stack = python_stack(rec["pid"]) if rec.get("pid") else None
+        stack, why = stack_or_why(rec["pid"]) if rec.get("pid") else (None, "")
         lines.append(f"  rank {rec['rank']} did not arrive ({where}); "
                      + ("its Python stack, innermost first:" if stack else
-                        "(pip install py-spy to see its Python stack)"))
+                        f"({why})" if why else "its stack is not readable from here"))
         lines += [f"    {frame}" for frame in stack or []]
     killed = stop_local(stuck)  # the job has failed: do not let a stopped rank hold it
     if killed:

@@ -202,28 +202,46 @@ def python_stack(pid: int, frames: int = 6, timeout: float = 10.0) -> Optional[L
     """The innermost frames of process ``pid``'s main thread (``py-spy dump``): at least
     ``frames``, and down to the first frame in neither torch nor Python's standard library (the
     script's or ddpkit's call into them) and one more; None when py-spy is missing or cannot
-    read it.
+    read it (:func:`stack_or_why` says which).
 
     Example::
 
         python_stack(4242)   # ['wait_forever (train.py:12)', 'main (train.py:30)', ...]
     """
+    return stack_or_why(pid, frames, timeout)[0]
+
+
+def stack_or_why(pid: int, frames: int = 6,
+                 timeout: float = 10.0) -> Tuple[Optional[List[str]], str]:
+    """:func:`python_stack` and, when there is none, why in a few words for a report's line:
+    ``'pip install py-spy to see its Python stack'`` or what py-spy said.
+
+    Example::
+
+        stack, why = stack_or_why(4242)
+    """
     tool = shutil.which("py-spy") or _next_to_python("py-spy")
     if tool is None:
-        return None
+        return None, "pip install py-spy to see its Python stack"
     try:
         # --nonblocking: reads a stopped process too, and never pauses a running one
         out = subprocess.run([tool, "dump", "--nonblocking", "--json", "--pid", str(pid)],
                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"py-spy could not read its stack in {timeout:g} s"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"py-spy could not run: {exc}"
+    try:
         threads = json.loads(out.stdout)
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
+    except ValueError:
+        said = (out.stderr.strip().splitlines() or ["no output"])[-1][:160]
+        return None, f"py-spy could not read its stack: {said}"
     main = [t for t in threads if t.get("thread_name") == "MainThread"
             or t.get("os_thread_id") == pid]
     if not main:
-        return None
+        return None, "py-spy found no main thread in it"
     return _frames_to_show([(f["name"], f["filename"], f["short_filename"], f["line"])
-                            for f in main[0]["frames"]], frames)
+                            for f in main[0]["frames"]], frames), ""
 
 
 def _frames_to_show(stack: List[Tuple[str, str, str, int]], frames: int = 6) -> List[str]:
