@@ -94,6 +94,21 @@ def test_the_modules_that_moved_import_by_their_old_names():
         __import__("ddpkit.evaluate")
 
 
+MODULES_AS_ATTRIBUTES = """
+import ddpkit
+print(ddpkit.comm.__name__, ddpkit.engines.__name__, ddpkit.seed.__name__,
+      hasattr(ddpkit, "no_such_thing"))
+"""
+
+
+def test_a_module_reads_as_an_attribute_of_the_package_as_before():
+    # before the front door was lazy, `import ddpkit` had loaded them: `ddpkit.comm.print0` worked
+    res = subprocess.run([sys.executable, "-c", MODULES_AS_ATTRIBUTES], capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert res.stdout.split() == ["ddpkit.engines.comm", "ddpkit.engines", "ddpkit.base.seed",
+                                  "False"], res.stdout + res.stderr
+
+
 def test_every_engine_module_is_in_the_independence_contract():
     engines = {f"ddpkit.engines.{p.stem}" for p in (PACKAGE / "engines").glob("*.py")
                if p.stem not in ("__init__", "base", "torchdist",  # the shared parts

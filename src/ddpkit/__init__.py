@@ -59,6 +59,14 @@ __all__ = [
 def __getattr__(name: str):  # PEP 562: a name's module loads when the name is first asked for
     home = _HOME.get(name)
     if home is None:
+        # a module asked for as an attribute, as when the names loaded eagerly: `ddpkit.engines`,
+        # or one that moved (`ddpkit.comm`, base/moved.py)
+        if not name.startswith("_"):
+            try:
+                return _importlib.import_module(f"ddpkit.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"ddpkit.{name}":
+                    raise
         raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
     value = getattr(_importlib.import_module(home), name)
     globals()[name] = value
