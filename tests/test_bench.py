@@ -207,3 +207,10 @@ def test_peers_interleaved_smoke(tmp_path):
     assert rows["handwritten"]["ratio"] == 1.0 and rows["ddpkit"]["ratio"] > 0
     assert rows["ddpkit"]["step_pairs"] == 2 and rows["ddpkit"]["step_ratio"] > 0
     assert (tmp_path / "peers.md").read_text().count("| handwritten |") == 1
+
+
+def test_the_dataparallel_row_without_gpus_plans_the_module_on_the_cpu():
+    # a fresh clone's `ddpkit bench --quick` once stopped at planning this row: 0 GPUs made a
+    # batch of 0 (the row is skipped on CPU; `--rows dp` measures it there anyway)
+    plan = plan_row(ROWS["dp"], BenchConfig(batch=32), CPU_CAPS)
+    assert plan["global_batch"] == 32 and plan["job"]["batch"] == 32 and plan["nprocs"] == 1

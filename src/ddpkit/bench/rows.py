@@ -218,7 +218,8 @@ def plan_row(row: Row, cfg: BenchConfig, caps: Dict[str, Any]) -> Dict[str, Any]
     # there but measures nothing a real multi-GPU job would see.
     sharing = 0 < caps["cuda_count"] < nprocs and row.runner == "ddpkit"
     threads = (os.cpu_count() or 1) if row.all_threads else 1 if row.single else cfg.threads
-    devices = caps["cuda_count"] if row.engine == "dp" else 1
+    # DataParallel takes every GPU (none: the module runs as it is, on the CPU)
+    devices = max(1, caps["cuda_count"]) if row.engine == "dp" else 1
     # --per-rank-batch is a process's (DataParallel: a GPU's) samples per optimizer step
     batch = Batch.of(nprocs * cfg.batch * devices, nprocs, cfg.accum_steps if row.accum else 1)
     job = dict(model=cfg.model, batch=cfg.batch * devices, threads=threads, steps=cfg.steps,
