@@ -56,7 +56,8 @@ class _Timed:
             try:
                 with open(LOG, "a") as f:
                     test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
-                    what = "|".join(a.replace(" ", "_") for a in sys.argv[:4])[:200]
+                    # one line a process: `python -c CODE` has newlines in its argv
+                    what = "|".join("_".join(a.split()) for a in sys.argv[:4])[:200]
                     f.write(f"{{os.getpid()}} {{name}} {{time.process_time() - start:.3f}} "
                             f"{{int(nested)}} {{test or '-'}} {{what or '-'}}\\n")
             except OSError:
@@ -98,24 +99,32 @@ def report(venv: str) -> str:
             os.remove(os.path.join(site, name))
         except FileNotFoundError:
             pass
-    pids, cpu, by_file = set(), 0.0, {}
+    processes, cpu, by_file = 0, 0.0, {}
+    unread = 0
     try:
         with open(log) as f:
             for line in f:
-                pid, name, seconds, nested, *test = line.split()[:5]
-                if name == "torch":
-                    pids.add(pid)
+                try:
+                    _pid, name, seconds, nested, *test = line.split()[:5]
+                    seconds_f = float(seconds)
+                except ValueError:  # not a line of the hook's (a torn write): said, not counted
+                    unread += 1
+                    continue
+                if name == "torch":  # once a process (pids are reused over a long run)
+                    processes += 1
                     where = test[0].split("::")[0] if test else "-"
                     by_file[where] = by_file.get(where, 0) + 1
                 if nested == "0":
-                    cpu += float(seconds)
-    except (FileNotFoundError, ValueError):
+                    cpu += seconds_f
+    except FileNotFoundError:
         pass
-    line = (f"torch imports: {len(pids)} Python process{'es' if len(pids) != 1 else ''} "
+    line = (f"torch imports: {processes} Python process{'es' if processes != 1 else ''} "
             f"imported torch, spending "
             f"{cpu:.0f} s of CPU importing it (torch, torch._dynamo)")
+    if unread:
+        line += f"; {unread} line(s) of the log not read"
     most = sorted(by_file.items(), key=lambda kv: -kv[1])[:5]
-    if most and len(pids) > 1:
+    if most and processes > 1:
         line += "; most: " + ", ".join(f"{os.path.basename(k)} {n}" for k, n in most)
     return line
 

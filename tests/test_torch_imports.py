@@ -43,3 +43,17 @@ def test_the_report_names_the_test_files_that_started_the_most(tmp_path):
     line = torch_imports.report(str(tmp_path))
     assert line == ("torch imports: 4 Python processes imported torch, spending 9 s of CPU "
                     "importing it (torch, torch._dynamo); most: test_a.py 2, test_b.py 1, - 1")
+
+
+def test_a_line_that_is_not_the_hooks_is_said_and_the_lines_after_it_still_count(tmp_path):
+    # a process run as `python -c CODE` once wrote its CODE's newlines into the log, and the
+    # count stopped at the first broken line (533 of 906 processes)
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (tmp_path / "torch-imports.log").write_text(
+        "1 torch 2.0 0 tests/test_a.py::one -c|import_torch\nprint(1)\n"
+        "2 torch 2.0 0 tests/test_a.py::two x\n1 torch 2.0 0 tests/test_b.py::x y\n")
+    line = torch_imports.report(str(tmp_path))
+    assert line.startswith("torch imports: 3 Python processes imported torch, spending 6 s of "
+                           "CPU importing it (torch, torch._dynamo); 1 line(s) of the log not "
+                           "read; most: test_a.py 2"), line
