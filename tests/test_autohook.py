@@ -17,12 +17,13 @@ from ddpkit.cost.auto import Choice, _scalar, choose, measure_step
 from ddpkit.cost.measure import workload_of
 from ddpkit.cost.model import LINKS, Link
 
+import forkrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ddpkit(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return forkrun.ddpkit(*args, timeout=timeout, clean=False)
 
 
 def _mlp_work(compute_s):

@@ -8,17 +8,15 @@ import sys
 import pytest
 import torch
 
+import forkrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
 def ddpkit(*args, cwd=ROOT, timeout=240, env=None):
-    """Run `python -m ddpkit ARGS`; returns the CompletedProcess (text, both streams)."""
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    clean.update(env or {})
-    return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=cwd, env=clean,
-                          capture_output=True, text=True, timeout=timeout)
+    """`python -m ddpkit ARGS`, forked (tests/forkrun.py); the CompletedProcess."""
+    return forkrun.ddpkit(*args, cwd=cwd, timeout=timeout, env=env)
 
 
 def error_lines(stderr):

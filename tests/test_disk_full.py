@@ -23,15 +23,14 @@ from ddpkit.checkpoint.write import disk_full, no_space
 from ddpkit.base.errors import DDPKitError
 from ddpkit.checkpoint.sharded import _bare_disk_full
 
+import forkrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
 def _ddpkit(*args, timeout=120):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return forkrun.ddpkit(*args, timeout=timeout)
 
 
 def test_ddpkit_train_on_a_full_disk_is_one_line_and_resumes_from_the_newest_checkpoint(

@@ -15,12 +15,13 @@ from ddpkit.doctor import cluster
 from ddpkit.doctor.cluster import MOST_REPEATS, clocks, overlap_finding, sweep_sizes
 from ddpkit.doctor.run import parse_size
 
+import forkrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ddpkit(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return forkrun.ddpkit(*args, timeout=timeout, clean=False)
 
 
 @pytest.mark.slow

@@ -14,16 +14,15 @@ from ddpkit.job.rundir import LOCK_NAME, hold_run_dir
 from ddpkit.job.start import _holds_lock
 from ddpkit.launchers.torchrun import RunConfig
 
+import forkrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLD = ("import sys\nfrom ddpkit.job.rundir import hold_run_dir\n"
         "with hold_run_dir(sys.argv[1]):\n    print('held', flush=True)\n    sys.stdin.read()\n")
 
 
 def _ddpkit(*args, timeout=120):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return forkrun.ddpkit(*args, timeout=timeout)
 
 
 def _lock_file(directory, host, pid):

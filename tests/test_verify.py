@@ -13,13 +13,14 @@ from ddpkit.verify.compare import FLOOR, compare
 from ddpkit.verify.records import RunRecord, Step, relative
 from ddpkit.verify.runs import Diverged, run_script
 
+import forkrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BROKEN = os.path.join(ROOT, "examples", "broken")
 
 
 def _ddpkit(*args, cwd=ROOT, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ddpkit", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return forkrun.ddpkit(*args, cwd=cwd, timeout=timeout, clean=False)
 
 
 # ---------------------------------------------------------------- planted bugs, end to end

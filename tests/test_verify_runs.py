@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from ddpkit.launchers.forked import Forked
 from ddpkit.verify.probe import Probe, reverse_batch
 from ddpkit.verify.probe_watch import row_digests
 from ddpkit.verify.runs import working_directory
@@ -58,7 +59,11 @@ def test_a_run_works_in_a_directory_of_its_own_that_links_the_users(tmp_path):
     assert sorted(os.listdir(here)) == ["data"]
 
 
-def _verify(*args, cwd, **kwargs):
+def _verify(*args, cwd, real=False, **kwargs):
+    """``ddpkit verify ARGS`` started: forked (tests/forkrun.py) unless ``real`` (a process
+    that takes signals or standard input; ``kwargs`` go to Popen)."""
+    if not (real or kwargs):
+        return Forked(["-m", "ddpkit", "verify", *args], env=dict(os.environ), cwd=str(cwd))
     return subprocess.Popen([sys.executable, "-m", "ddpkit", "verify", *args], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
@@ -93,7 +98,7 @@ def test_a_script_asking_for_input_fails_at_once_instead_of_waiting(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_the_runs_end_with_verify(tmp_path, sig):
-    proc = _verify("--steps", "2", LM, "--pids", str(tmp_path), "--hang", cwd=ROOT)
+    proc = _verify("--steps", "2", LM, "--pids", str(tmp_path), "--hang", cwd=ROOT, real=True)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob("*.pid")):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()

@@ -12,6 +12,7 @@ from ..env.detect import BACKEND_VAR, TIMEOUT_VAR
 from ..env.dist import BACKENDS
 from ..env.k8s import pod_launch
 from ..faults.stall import AFTER_VAR as STALL_VAR
+from ..launchers.forked import START_METHODS
 from ..launchers.torchrun import RunConfig
 
 __all__ = ["add_launch_flags", "pass_backend", "pass_timeout", "add_stall_flag", "pass_stall_after", "run_config", "parse_nnodes", "from_pod"]
@@ -43,12 +44,17 @@ _LAUNCH_FLAGS = (
     (("--iface",), dict(help="network interface for gloo/nccl traffic (e.g. eth1)")),
     (("--log-dir",), dict(help="directory for per-rank logs (torchrun --log-dir)")),
     (("-v", "--verbose"), dict(action="store_true", help="show torchrun's agent logs")),
+    (("--start-method",), dict(choices=START_METHODS, default="forkserver",
+                               help="how a node's workers start: forkserver (default: forked "
+                                    "from a server that imported torch once) or spawn "
+                                    "(torchrun's: each a fresh `python -u SCRIPT`)")),
 )
 # Each number's range, checked before anything starts: (least, most), None for no bound.
 _RANGES = {"node_rank": (0, None), "master_port": (1, 65535),
            "max_restarts": (0, None), "rdzv_timeout": (0, None), "rdzv_last_call": (0, None)}
 _FIELDS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id",
-           "rdzv_timeout", "rdzv_last_call", "max_restarts", "iface", "log_dir", "verbose")
+           "rdzv_timeout", "rdzv_last_call", "max_restarts", "iface", "log_dir", "verbose",
+           "start_method")
 
 
 def add_launch_flags(parser: argparse.ArgumentParser,

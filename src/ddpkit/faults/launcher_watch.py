@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Optional
 
 from .crash import _write
 from .looks import stat_state
+from .stops import launcher_pid
 
 __all__ = ["LauncherWatch", "start_for_launcher"]
 
@@ -55,13 +56,18 @@ class LauncherWatch:
         self._stop = threading.Event()
         self._stopped_since: Optional[float] = None
         self._said_stopped = self._said_store = False
+        self._looking = threading.Lock()
 
     def start(self) -> "LauncherWatch":
         threading.Thread(target=self._run, name="ddpkit-launcher-watch", daemon=True).start()
         return self
 
     def stop(self) -> None:
+        """End the watch (at this rank's exit): a launcher said stopped that runs again is
+        said so now, not left unsaid by a rank that ends before its next look."""
         self._stop.set()
+        if self._said_stopped:
+            self.look()
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick):
@@ -69,7 +75,10 @@ class LauncherWatch:
 
     def look(self, now: Optional[float] = None) -> None:
         """One look (the thread's, or a test's with its own clock)."""
-        now = time.monotonic() if now is None else now
+        with self._looking:
+            self._look(time.monotonic() if now is None else now)
+
+    def _look(self, now: float) -> None:
         if stat_state(f"/proc/{self.pid}/stat") in _STOPPED:
             self._stopped_since = self._stopped_since or now
             if not self._said_stopped and now - self._stopped_since >= self.after:
@@ -109,4 +118,4 @@ def start_for_launcher(after: float, store_wait: Callable[[], float],
         return None
     at = (f" (at {environ['MASTER_ADDR']}:{environ['MASTER_PORT']})"
           if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT") else "")
-    return LauncherWatch(os.getppid(), after, store_wait, at).start()
+    return LauncherWatch(launcher_pid(environ), after, store_wait, at).start()

@@ -11,10 +11,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Mapping, Optional
 
 __all__ = ["Stops", "StopRequested", "STOP_SIGNALS", "signal_name", "die_with_launcher",
-           "proc_stat", "LAUNCHER_PID_VAR"]
+           "proc_stat", "LAUNCHER_PID_VAR", "FORKED_BY_VAR", "launcher_pid"]
 
 #: The signals a worker handles. SIGINT stops at once (Ctrl-C); SIGTERM (what a launcher, Slurm
 #: or Kubernetes sends before a kill) and SIGUSR1 (Slurm's ``--signal``) stop after the step.
@@ -155,6 +155,22 @@ def quiet_exit(status: int) -> None:
 #: Set for the workers of ``ddpkit run``: the launcher's pid. ``ddpkit.setup`` in a worker whose
 #: parent is that process asks the kernel to kill it when the launcher dies (Linux).
 LAUNCHER_PID_VAR = "DDPKIT_LAUNCHER_PID"
+#: Set for the workers ``ddpkit run`` forked from its fork server (ddpkit.launchers.forked):
+#: the launcher's pid, where ``DDPKIT_LAUNCHER_PID`` names their parent, the server.
+FORKED_BY_VAR = "DDPKIT_FORKED_BY"
+
+
+def launcher_pid(environ: Optional[Mapping[str, str]] = None) -> int:
+    """This worker's launcher: its parent, or, forked from the launcher's fork server, the
+    process ``DDPKIT_FORKED_BY`` names.
+
+    Example::
+
+        launcher_pid()   # 4242
+    """
+    environ = os.environ if environ is None else environ
+    forked_by = environ.get(FORKED_BY_VAR, "")
+    return int(forked_by) if forked_by.isdigit() else os.getppid()
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 from ..faults.alike import EVERY_RANK
 from ..faults.crash import PEER_LOSS_SUFFIX
 from ..faults.stops import STOP_SIGNALS, signal_name
+from . import watchdog
 
 __all__ = ["how", "said_in_one_line", "first_failure", "left_early", "used_up",
            "naming_restarts"]
@@ -77,9 +78,9 @@ def left_early(agent: Any, group: Any, failures: dict) -> Optional[str]:
     if not failures or any(isinstance(f.error_file_data.get("message"), dict)
                            for f in failures.values()):
         return None  # a rank failed of its own: its error is the cause
-    handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None) or {}
-    left = sorted(group.workers[local].global_rank for local, handler in handlers.items()
-                  if handler.proc.poll() == 0)
+    left = sorted(group.workers[local].global_rank
+                  for local, (_pid, code) in watchdog.workers(getattr(agent, "_pcontext", None))
+                  .items() if code == 0)
     if not left:
         return None
     def ranks(numbers: Any) -> str:

@@ -4,10 +4,10 @@ each with torchrun-style variables so ``ddpkit.setup()`` inside it just works.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import time
 from typing import Any, Callable, Dict, Optional
@@ -18,6 +18,7 @@ from ..faults.crash import is_peer_failure
 from ..env.dist import shutdown
 from ..env.detect import spawn_env, to_environ
 from ..base.errors import ConfigError
+from . import forked
 from .network import free_port
 
 __all__ = ["launch", "LaunchError"]
@@ -39,6 +40,8 @@ def _spawned(index: int, fn: Callable[..., Any], args: tuple, nprocs: int, port:
              result_dir: str, environ: Dict[str, str]) -> None:
     # The caller's environment as it is now (a forkserver child would otherwise see the
     # server's, from when it started), then this rank's place in the job.
+    if hasattr(signal, "pthread_sigmask"):  # the server's shield (forked.SHIELDED) is not ours
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forked.SHIELDED)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(to_environ(spawn_env(index, nprocs, "127.0.0.1", port)))
@@ -57,13 +60,14 @@ def _spawned(index: int, fn: Callable[..., Any], args: tuple, nprocs: int, port:
 
 
 #: What the ``forkserver`` preloads once, so that every launch after the first starts its ranks in
-#: a fraction of a second instead of importing torch in each (about 3 s per process on 2 cores).
-PRELOAD = ["torch", "ddpkit"]
+#: a fraction of a second instead of importing torch in each (about 3 s per process on 2 cores):
+#: the server ``ddpkit run`` and ``ddpkit verify`` fork their workers from (:mod:`.forked`).
+PRELOAD = forked.PRELOAD
 
 
 def _context(start_method: str) -> None:
     if start_method == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        forked.start_server()
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: Optional[float] = None,

@@ -30,6 +30,11 @@ def worker_environments(parent: Optional[int] = None) -> Dict[int, Dict[str, str
         worker_environments()   # {4242: {'RANK': '2', 'MASTER_ADDR': '10.0.0.1', ...}}
     """
     found = {}
+    if parent is None:  # the agent's own record: forked workers' /proc environ is the server's
+        found = {pid: env for pid, env in watchdog.started_workers().items()
+                 if "RANK" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env}
+        if found:
+            return found
     for pid in watchdog.children(parent):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:

@@ -19,7 +19,7 @@ from ..faults.crash import LAUNCHER_PID_VAR
 from ..base.errors import ConfigError
 from ..env.k8s import pod_launch
 from ..faults.stops import STOP_SIGNALS, signal_name
-from . import capacity, elastic, network as net, restarts, srun, stacks, watchdog
+from . import capacity, elastic, forked, network as net, restarts, srun, stacks, watchdog
 from .network import port_in_use
 
 __all__ = ["RunConfig", "run", "torchrun_args", "rendezvous_id", "resolve_nproc", "AGENT_SIGNALS"]
@@ -91,6 +91,9 @@ class RunConfig:
     on_stop: Optional[Callable[[int], str]] = None
     #: Once the restarts are used up: text appended to the last line, how to continue.
     on_give_up: Optional[Callable[[], str]] = None
+    #: How a node's workers start (:mod:`.forked`): ``forkserver``, forked from a server that
+    #: imported torch once, or ``spawn``, torchrun's fresh ``python -u SCRIPT`` each.
+    start_method: str = "forkserver"
 
     @property
     def elastic(self) -> bool:
@@ -303,7 +306,6 @@ def run(cfg: RunConfig) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torchrun
 
     nproc = _validate(cfg)
     if cfg.nnodes <= 1 and not (cfg.elastic or cfg.rdzv_endpoint or cfg.master_addr
@@ -321,6 +323,9 @@ def run(cfg: RunConfig) -> int:
         _quiet_agent_logs()
     previous_pid = os.environ.get(LAUNCHER_PID_VAR)
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # workers die with this process
+    # forked workers: their server first (importing torch while the rendezvous forms), known
+    # before the agent starts, so that a stop ends its workers, not the server itself
+    server = forked.start_server() if cfg.start_method == "forkserver" else None
     members, before = None, set(watchdog.children())
     try:
         tracking = (elastic.tracking_members(cfg.nnodes_spec, plan.local_addr) if cfg.elastic
@@ -330,12 +335,12 @@ def run(cfg: RunConfig) -> int:
         with _guard(cfg, plan.is_host), restarts.naming_restarts() as said, tracking as members, \
                 stranded, watchdog.ending_stopped_workers(), \
                 watchdog.holding_early_interrupts(own):
-            torchrun(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)))
+            _agent(_parse(get_args_parser(), torchrun_args(cfg, nproc, extra)), cfg.start_method)
     except SignalException as exc:  # the agent stopped every worker with this signal first
-        watchdog.stop_lost_workers(before)  # those it was starting when the signal came
+        watchdog.stop_lost_workers(before, servers=[server])  # those it was starting then
         return _stopped(cfg, int(exc.sigval))
     except KeyboardInterrupt:  # Ctrl-C before the agent's own handlers were in place
-        watchdog.stop_lost_workers(before)
+        watchdog.stop_lost_workers(before, servers=[server])
         return _stopped(cfg, signal.SIGINT)
     except ChildFailedError as exc:
         stopped = _stop_signal(exc)
@@ -379,6 +384,29 @@ RDZV_ENDPOINT_VAR = "DDPKIT_RDZV_ENDPOINT"
 RUN_ID_VAR = "DDPKIT_RUN_ID"
 
 
+def _agent(args: Any, start_method: str) -> None:
+    """torchrun's own ``run(args)``; with ``forkserver`` its workers run :func:`.forked.python`
+    on the arguments it would have given ``python`` (``-u [-m] SCRIPT ARGS``)."""
+    from torch.distributed import run as torchrun
+
+    if start_method != "forkserver" or args.no_python or args.run_path:
+        torchrun.run(args)
+        return
+    config_from_args = torchrun.config_from_args
+
+    def forked_config(parsed: Any) -> Any:
+        config, _python, cmd_args = config_from_args(parsed)
+        config.start_method = "forkserver"
+        return config, forked.python, cmd_args
+
+    forked.prepare_server()  # (started already by run(); else on the first worker)
+    torchrun.config_from_args = forked_config
+    try:
+        torchrun.run(args)
+    finally:
+        torchrun.config_from_args = config_from_args
+
+
 def _parse(parser: Any, argv: List[str]) -> Any:
     # No abbreviations: argparse would otherwise read the script's own --signal as an ambiguous
     # abbreviation of torchrun's --signals-to-handle and stop with torchrun's usage.
@@ -388,8 +416,9 @@ def _parse(parser: Any, argv: List[str]) -> Any:
 
 def _quiet_agent_logs() -> None:
     # The agent's loggers are created on import with their own levels: quiet each of them.
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
+    # (torch.multiprocessing: "Terminating process N via signal SIGTERM" of forked workers)
+    for name in list(logging.root.manager.loggerDict) + ["torch.multiprocessing.spawn"]:
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

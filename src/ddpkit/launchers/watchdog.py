@@ -18,7 +18,8 @@ from ..faults.stops import proc_stat
 from .network import split_endpoint
 
 __all__ = ["children", "stop_lost_workers", "kill_stopped", "ending_stopped_workers",
-           "holding_early_interrupts", "AgentWatchdog", "watch_nnodes"]
+           "holding_early_interrupts", "AgentWatchdog", "watch_nnodes", "workers",
+           "started_workers", "workers_or_children"]
 
 
 def _stat(pid: str) -> Optional[Tuple[int, str]]:
@@ -48,9 +49,11 @@ def children(pid: Optional[int] = None) -> Dict[int, str]:
 
 
 def stop_lost_workers(known: Iterable[int], grace: float = 5.0,
-                      list_children: Callable[[], Dict[int, str]] = children) -> List[int]:
+                      list_children: Callable[[], Dict[int, str]] = children,
+                      servers: Iterable[Optional[int]] = ()) -> List[int]:
     """Kill this process's running children that are not in ``known``, with their process
-    groups, and reap them; return their pids.
+    groups, and reap them, and every child of the fork ``servers`` (:mod:`.forked`: the
+    workers forked for this process); return the pids of this process's children killed.
 
     A stop signal that reaches torchrun's agent while it starts the workers interrupts
     ``start_processes`` before the agent has recorded them: its shutdown then closes nothing,
@@ -67,7 +70,11 @@ def stop_lost_workers(known: Iterable[int], grace: float = 5.0,
     known = set(known)
     lost = sorted(pid for pid, state in list_children().items()
                   if pid not in known and state not in "ZX")
+    for server in filter(None, servers):
+        _end_server(server)
     for pid in lost:
+        for forked in children(pid):  # a fork server started by the agent: its workers
+            _kill_group(forked)
         _kill_group(pid)
     deadline = time.monotonic() + grace
     waiting = set(lost)
@@ -82,6 +89,28 @@ def stop_lost_workers(known: Iterable[int], grace: float = 5.0,
     return lost
 
 
+def _end_server(server: int) -> None:
+    """SIGKILL a fork server (this process's child) and every worker it forked: stopped first,
+    so that a worker it was forking at the stop is among its children (else that one would
+    start after this process had gone, and die printing multiprocessing's traceback)."""
+    try:
+        os.kill(server, signal.SIGSTOP)
+    except OSError:
+        return
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and (proc_stat(server) or "T")[0] not in "TtZX":
+        time.sleep(0.005)
+    killed = children(server)
+    for forked in killed:
+        _kill_group(forked)
+    while time.monotonic() < deadline + 5.0 and any(  # dead (zombies of the stopped server)
+            (proc_stat(pid) or "Z")[0] not in "ZX" for pid in killed):
+        time.sleep(0.005)
+    with contextlib.suppress(OSError):
+        os.kill(server, signal.SIGKILL)
+        os.waitpid(server, 0)
+
+
 def _kill_group(pid: int) -> None:
     """SIGKILL ``pid`` with its process group when it leads one of its own (a worker: its
     DataLoader workers go with it), else alone."""
@@ -92,6 +121,23 @@ def _kill_group(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
+
+
+def workers(context: Any) -> Dict[int, Tuple[int, Optional[int]]]:
+    """The workers of torchrun's process context (``agent._pcontext``): local rank -> (pid,
+    exit code, None while running; a negative one: killed by that signal), whether they were
+    started as fresh interpreters or forked (:mod:`.forked`). In the agent's thread only (it
+    reaps them).
+
+    Example::
+
+        workers(agent._pcontext)   # {0: (4242, None), 1: (4243, 0)}
+    """
+    handlers = getattr(context, "subprocess_handlers", None)
+    if handlers:
+        return {rank: (h.proc.pid, h.proc.poll()) for rank, h in handlers.items()}
+    processes = getattr(getattr(context, "_pc", None), "processes", None) or []
+    return {rank: (p.pid, p.exitcode) for rank, p in enumerate(processes) if p.pid is not None}
 
 
 def kill_stopped(pids: Dict[int, int],
@@ -140,16 +186,131 @@ def ending_stopped_workers() -> Iterator[None]:
     def closing(context: Any, *args: Any, **kwargs: Any) -> Any:
         with contextlib.suppress(Exception):  # never in the way of the shutdown itself
             # only workers not yet reaped: a reaped one's pid may belong to another process now
-            handlers = getattr(context, "subprocess_handlers", None) or {}
-            kill_stopped({rank: h.proc.pid for rank, h in handlers.items()
-                          if h.proc.poll() is None})
-        return close(context, *args, **kwargs)
+            kill_stopped({rank: pid for rank, (pid, code) in workers(context).items()
+                          if code is None})
+        try:
+            return close(context, *args, **kwargs)
+        finally:  # its workers are gone and reaped: none is the agent's now
+            if _STARTED and _STARTED[0] is context:
+                _STARTED.clear()
 
-    PContext.close = closing
+    start = PContext.start
+
+    def starting(context: Any, *args: Any, **kwargs: Any) -> Any:
+        _STARTED[:] = [context]
+        started = start(context, *args, **kwargs)
+        with contextlib.suppress(Exception):
+            _ending_stopped_forked(context)
+        return started
+
+    try:
+        from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+        poll = MultiprocessContext._poll
+    except (ImportError, AttributeError):
+        MultiprocessContext, poll = None, None
+
+    def polled(context: Any) -> Any:
+        result = poll(context)
+        with contextlib.suppress(Exception):
+            _every_failure(context, result)
+        return result
+
+    PContext.close, PContext.start = closing, starting
+    if MultiprocessContext is not None:
+        MultiprocessContext._poll = polled
     try:
         yield
     finally:
-        PContext.close = close
+        PContext.close, PContext.start = close, start
+        if MultiprocessContext is not None:
+            MultiprocessContext._poll = poll
+        _STARTED.clear()
+
+
+def _every_failure(context: Any, result: Any) -> None:
+    """Forked workers: torch's process context reports the first rank it found failed and ends
+    the rest; the others that had failed by then are added, as for fresh interpreters (the rank
+    that raised is then named, not the peer that exited first having lost it)."""
+    if result is None or not getattr(result, "failures", None):
+        return
+    from torch.distributed.elastic.multiprocessing.api import ProcessFailure
+
+    for rank, process in enumerate(context._pc.processes):
+        if rank not in result.failures and process.exitcode not in (None, 0):
+            result.failures[rank] = ProcessFailure(local_rank=rank, pid=process.pid,
+                                                   exitcode=process.exitcode,
+                                                   error_file=context.error_files[rank])
+
+
+def _ending_stopped_forked(context: Any) -> None:
+    """Forked workers (:mod:`.forked`): torch's process context ends the others itself once one
+    has failed (SIGTERM, then 30 s before SIGKILL); the stopped ones are killed first."""
+    processes = getattr(getattr(context, "_pc", None), "processes", None)
+    if not processes:
+        return
+    pc = context._pc
+    join = pc.join
+
+    def joining(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):
+            if any(p.exitcode not in (None, 0) for p in processes):
+                kill_stopped({rank: p.pid for rank, p in enumerate(processes)
+                              if p.exitcode is None})
+        return join(*args, **kwargs)
+
+    pc.join = joining
+
+
+_STARTED: List[Any] = []  # the process context the agent started last (ending_stopped_workers)
+
+
+def started_workers() -> Dict[int, Dict[str, str]]:
+    """While the agent runs (inside :func:`ending_stopped_workers`): the workers it started
+    last that are still running, pid -> the variables it gave each (``RANK``, ``MASTER_ADDR``,
+    ...), whether they are fresh interpreters or forked (whose ``/proc/PID/environ`` is the
+    fork server's).
+
+    Example::
+
+        started_workers()   # {4242: {'RANK': '0', 'MASTER_ADDR': '10.0.0.1', ...}}
+    """
+    if not _STARTED:
+        return {}
+    context = _STARTED[0]
+    envs = getattr(context, "envs", None) or {}
+    found = {}
+    for rank, pid in _pids(context).items():
+        fields = proc_stat(pid)
+        if fields is not None and fields[0] not in "ZX":
+            found[pid] = dict(envs.get(rank, {}))
+    return found
+
+
+def _pids(context: Any) -> Dict[int, int]:
+    # not Process.exitcode: it reaps, and the callers run beside the agent's own thread
+    handlers = getattr(context, "subprocess_handlers", None)
+    if handlers:
+        return {rank: h.proc.pid for rank, h in handlers.items()}
+    processes = getattr(getattr(context, "_pc", None), "processes", None) or []
+    return {rank: p.pid for rank, p in enumerate(processes) if p.pid is not None}
+
+
+def workers_or_children() -> Dict[int, str]:
+    """The agent's workers, pid -> state letter (``X``: gone), where they were forked (a fork
+    server's children, reaped by it); else this process's children (:func:`children`).
+
+    Example::
+
+        workers_or_children()   # {4242: 'S', 4243: 'X'}
+    """
+    context = _STARTED[0] if _STARTED else None
+    if context is None or getattr(context, "subprocess_handlers", None):
+        return children()
+    states = {}
+    for pid in _pids(context).values():
+        fields = proc_stat(pid)
+        states[pid] = "X" if fields is None else fields[0]
+    return states
 
 
 @contextlib.contextmanager
@@ -207,9 +368,10 @@ class AgentWatchdog:
 
     def __init__(self, endpoint: str, grace: float = 20.0, interval: float = 1.0,
                  exit: Callable[[int], Any] = os._exit,
-                 list_children: Callable[[], Dict[int, str]] = children) -> None:
+                 list_children: Optional[Callable[[], Dict[int, str]]] = None) -> None:
         self.endpoint, self.grace, self.interval = endpoint, grace, interval
-        self._exit, self._children = exit, list_children
+        self._exit = exit
+        self._children = list_children or workers_or_children
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ddpkit-agent-watchdog",
                                         daemon=True)

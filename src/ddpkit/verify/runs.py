@@ -1,7 +1,10 @@
 """Running the user's unchanged script for ``ddpkit verify``: on 1 process (twice, and once with
 every batch reversed) and on N, each as ``ddpkit run`` runs it (a free port, the cores split),
 with ``ddpkit.setup()`` recording every optimizer step (``ddpkit.verify.probe``). The first
-1-process run sets the limits; the other three are independent and run side by side.
+1-process run sets the limits; the other three are independent and run side by side. Each is
+forked from verify's own fork server (:class:`ddpkit.launchers.forked.Forked`: torch imported
+once for the four, the script run as ``python -u`` runs it), the N-process one through ``ddpkit
+run``.
 
 Each run works in a directory of its own (:func:`working_directory`): what the script writes
 under a relative path (``model.pt``, ``checkpoints/``) stays in that run, so no run resumes from
@@ -22,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from ..base.errors import ConfigError
+from ..launchers.forked import Forked
 from ..base.observe import OBSERVER_VAR
 from .probe import ACCUM_VAR, EVAL_VAR, ORDER_VAR, STEPS_VAR, VERIFY_VAR
 from .compare import Verdict, compare
@@ -143,17 +147,22 @@ def _run(command: list, env: dict, timeout: Optional[float], what: str,
     """Run ``command`` in a session of its own, with no standard input (a script asking for
     input fails at once, as under a scheduler); past ``timeout`` kill all of it (the launcher
     and its ranks) and say so in one line."""
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True,
-                            cwd=cwd, preexec_fn=_die_with_verify
-                            if sys.platform.startswith("linux") else None)
+    if command[:1] == [sys.executable] and sys.platform.startswith("linux"):
+        # forked from verify's own server, which imported torch once for the four runs
+        proc: Any = Forked(command[1:], env=env, cwd=cwd)
+    else:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                start_new_session=True, cwd=cwd, preexec_fn=_die_with_verify
+                                if sys.platform.startswith("linux") else None)
     with _LIVE_LOCK:
         _LIVE.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill(proc)
-        proc.communicate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=30)
         raise RunFailed(f"{what} ran past {timeout:g} s without recording its steps: does it "
                         "wait for input or hang? Run it with ddpkit run to see",
                         f"still running after {timeout:g} s", hung=True) from None
@@ -166,9 +175,11 @@ def _run(command: list, env: dict, timeout: Optional[float], what: str,
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: Any) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # its session: a launcher and its ranks
+    if isinstance(proc, Forked):
+        proc.kill()  # before its own session began
 
 
 def side_by_side(runs: Sequence[Callable[[], Any]]) -> List[Tuple[Any, Optional[BaseException]]]:
