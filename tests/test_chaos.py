@@ -5,6 +5,7 @@ users and clusters do (Ctrl-C, SIGTERM, Slurm's SIGUSR1, SIGSTOP of one rank, an
 sys.exit, kill -9), and checks the exit status, the lines printed, the rank named, that no
 process is left behind and the time to exit.
 """
+import contextlib
 import json
 import os
 import signal
@@ -47,6 +48,20 @@ def _left_behind(marker):
     return found
 
 
+def _descendants(pid):
+    parents = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{entry}/stat") as f:
+                parents.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _workers(marker):
     """{rank: pid} of the workers of the run whose command line mentions ``marker``."""
     ranks = {}
@@ -82,8 +97,13 @@ class Job:
             seen += line.startswith("epoch ")
         return out
 
-    def signal_and_wait(self, sig, timeout=90):
+    def signal_and_wait(self, sig, timeout=90, everyone=False):
+        """``sig`` to the launcher; ``everyone``: to every process under it too at once (as
+        Slurm signals every process of a step: workers, the fork server and its helpers)."""
         start = time.monotonic()
+        for pid in _descendants(self.proc.pid) if everyone else ():
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
         self.proc.send_signal(sig)
         out, err = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, out, err, time.monotonic() - start
@@ -110,6 +130,18 @@ def test_a_stop_signal_to_the_launcher_is_one_line_and_leaves_nothing(tmp_path, 
         saved = out.split("): checkpoint ")[1].split()[0]
         assert os.path.isfile(saved) and saved.startswith(str(tmp_path / "run" / "checkpoints"))
         assert 0 <= step - int(saved[-12:-3]) <= 30, out[-2000:]
+
+
+def test_sigterm_to_every_process_of_the_job_at_once_stops_it_with_a_checkpoint(tmp_path):
+    # Slurm's SIGTERM reaches every process of a step: the fork server (its workers' parent)
+    # and its resource tracker too. Once, the server died of it and took its workers with it
+    # (their parent-death signal) before they could save.
+    job = Job(tmp_path / "run", env=NO_GRACE)
+    job.wait_for_training()
+    code, out, err, _ = job.signal_and_wait(signal.SIGTERM, everyone=True)
+    assert code == 143 and _lines(err)[-1].startswith("ddpkit run: stopped by SIGTERM"), err
+    assert "stopped by SIGTERM at step" in out, out[-2000:] + err[-2000:]
+    assert not _left_behind(job.out)
 
 
 def test_sigterm_to_one_rank_stops_all_at_one_step_and_the_resumed_run_is_exact(

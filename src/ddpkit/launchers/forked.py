@@ -33,7 +33,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 from ..faults.stops import FORKED_BY_VAR
 
-__all__ = ["python", "PRELOAD", "SHIELDED", "prepare_server", "start_server", "server_pid",
+__all__ = ["python", "PRELOAD", "SHIELDED", "prepare_server", "start_server", "server_pid", "helpers",
            "START_METHODS", "Forked"]
 
 #: The modules the server imports once for every worker it forks: torch and what every rank of
@@ -73,10 +73,12 @@ def start_server() -> Optional[int]:
 
         server = start_server()   # 4242; the workers it forks are its children
     """
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     prepare_server()
     with _STARTING:
+        # its own start unblocks SIGINT and SIGTERM: first, outside the shield
+        resource_tracker.ensure_running()
         if server_pid() is not None:
             forkserver.ensure_running()  # (started: restarted only if it died)
             return server_pid()
@@ -91,6 +93,20 @@ def start_server() -> Optional[int]:
             if before is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, before)
     return server_pid()
+
+
+def helpers() -> set:
+    """The pids of this process's fork server and multiprocessing's resource tracker (that
+    started with it), those running; not workers.
+
+    Example::
+
+        helpers()   # {4242, 4243}
+    """
+    from multiprocessing import resource_tracker
+
+    pids = {server_pid(), getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {pid for pid in pids if pid is not None}
 
 
 _STARTING = threading.Lock()
@@ -153,6 +169,19 @@ def _become_a_worker(own: bool) -> None:
     import multiprocessing
 
     multiprocessing.set_start_method(None, force=True)
+    # Each child of a fork server holds the write end of the pipe that tells the server its
+    # launcher is gone: closed here, so that a killed launcher ends the server, and the server
+    # its workers (their parent-death signal), instead of both living on
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+    for name in ("_forkserver_alive_fd", "_forkserver_address", "_forkserver_pid"):
+        if hasattr(server, name):
+            setattr(server, name, None)
     os.environ.pop(_ROOM_VAR, None)
     launcher = os.environ.get("DDPKIT_LAUNCHER_PID")
     if launcher:

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ..faults.stops import proc_stat
+from . import forked
 from .network import split_endpoint
 
 __all__ = ["children", "stop_lost_workers", "kill_stopped", "ending_stopped_workers",
@@ -29,13 +30,16 @@ def _stat(pid: str) -> Optional[Tuple[int, str]]:
 
 
 def children(pid: Optional[int] = None) -> Dict[int, str]:
-    """Child pid -> state letter (``R``, ``S``, ``Z`` for exited-but-not-reaped...) on Linux.
+    """Child pid -> state letter (``R``, ``S``, ``Z`` for exited-but-not-reaped...) on Linux;
+    of this process (``pid`` None): not its fork server and resource tracker
+    (:func:`.forked.helpers`), which start before the workers and outlive them.
 
     Example::
 
         children()   # {4242: 'S'}
     """
     parent = os.getpid() if pid is None else pid
+    skip = forked.helpers() if pid is None else set()
     found: Dict[int, str] = {}
     try:
         entries = os.listdir("/proc")
@@ -43,7 +47,7 @@ def children(pid: Optional[int] = None) -> Dict[int, str]:
         return found
     for entry in entries:
         info = _stat(entry) if entry.isdigit() else None
-        if info is not None and info[0] == parent:
+        if info is not None and info[0] == parent and int(entry) not in skip:
             found[int(entry)] = info[1]
     return found
 
@@ -212,6 +216,8 @@ def ending_stopped_workers() -> Iterator[None]:
     def polled(context: Any) -> Any:
         result = poll(context)
         with contextlib.suppress(Exception):
+            if result is None and _all_exited_with_0(context):
+                result = poll(context)  # now done
             _every_failure(context, result)
         return result
 
@@ -225,6 +231,19 @@ def ending_stopped_workers() -> Iterator[None]:
         if MultiprocessContext is not None:
             MultiprocessContext._poll = poll
         _STARTED.clear()
+
+
+def _all_exited_with_0(context: Any) -> bool:
+    """Forked workers: torch's process context counts a worker done when it returned a value;
+    one that ended by ``os._exit(0)`` (exit code 0, as torchrun counts a success for a fresh
+    interpreter) returned none, and the agent would wait for it forever. When every worker has
+    exited with 0, the missing values are recorded (None) and the workers are done."""
+    processes = context._pc.processes
+    if not processes or any(p.exitcode != 0 for p in processes):
+        return False
+    for rank in range(len(processes)):
+        context._return_values.setdefault(rank, None)
+    return True
 
 
 def _every_failure(context: Any, result: Any) -> None:
