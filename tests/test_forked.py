@@ -166,3 +166,24 @@ def test_ranks_that_end_by_os_exit_0_end_the_run(tmp_path):
     res = forkrun.ddpkit("run", "--nproc", "2", str(script), cwd=tmp_path, timeout=120)
     assert res.returncode == 0 and sorted(res.stdout.split("\n")[:2]) == ["left 0", "left 1"], \
         res.stdout + res.stderr
+
+
+LATE = textwrap.dedent('''
+    import os, sys
+    from ddpkit.launchers import forked
+    from ddpkit.launchers.torchrun import RunConfig, run
+    if __name__ == "__main__":
+        forked.start_server()   # a server started earlier in this process (in-process use)
+        os.environ["LATE_VAR"] = "set after the server started"
+        sys.exit(run(RunConfig(sys.argv[1], [], nproc=2)))
+''')
+
+
+def test_workers_get_the_launchers_environment_as_it_is_when_they_start(tmp_path):
+    (tmp_path / "launch.py").write_text(LATE)
+    (tmp_path / "worker.py").write_text("import os\nprint(os.environ['RANK'], "
+                                        "os.environ.get('LATE_VAR'), flush=True)\n")
+    res = forkrun.python(str(tmp_path / "launch.py"), str(tmp_path / "worker.py"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["0 set after the server started",
+                                               "1 set after the server started"]

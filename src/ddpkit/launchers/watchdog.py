@@ -202,6 +202,13 @@ def ending_stopped_workers() -> Iterator[None]:
 
     def starting(context: Any, *args: Any, **kwargs: Any) -> Any:
         _STARTED[:] = [context]
+        if getattr(context, "subprocess_handlers", None) is None and \
+                isinstance(getattr(context, "envs", None), dict):
+            # forked workers: torch sets only the agent's variables over the fork server's
+            # environment (as it was when the server started); a fresh interpreter gets the
+            # launcher's environment as it is now under them, and so do they
+            for rank, env in list(context.envs.items()):
+                context.envs[rank] = {**os.environ, **env}
         started = start(context, *args, **kwargs)
         with contextlib.suppress(Exception):
             _ending_stopped_forked(context)
