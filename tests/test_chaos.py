@@ -132,15 +132,20 @@ def test_a_stop_signal_to_the_launcher_is_one_line_and_leaves_nothing(tmp_path, 
         assert 0 <= step - int(saved[-12:-3]) <= 30, out[-2000:]
 
 
-def test_sigterm_to_every_process_of_the_job_at_once_stops_it_with_a_checkpoint(tmp_path):
-    # Slurm's SIGTERM reaches every process of a step: the fork server (its workers' parent)
-    # and its resource tracker too. Once, the server died of it and took its workers with it
-    # (their parent-death signal) before they could save.
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGUSR1, 138)])
+def test_a_stop_signal_to_every_process_of_the_job_at_once_stops_it_with_a_checkpoint(
+        tmp_path, sig, status):
+    # Slurm signals every process of a step: the fork server (its workers' parent) and its
+    # resource tracker too. Once, SIGTERM killed the server, which took its workers with it
+    # (their parent-death signal) before they could save; SIGUSR1 killed the tracker, and the
+    # one relaunched printed a traceback for each semaphore it had never seen.
     job = Job(tmp_path / "run", env=NO_GRACE)
     job.wait_for_training()
-    code, out, err, _ = job.signal_and_wait(signal.SIGTERM, everyone=True)
-    assert code == 143 and _lines(err)[-1].startswith("ddpkit run: stopped by SIGTERM"), err
-    assert "stopped by SIGTERM at step" in out, out[-2000:] + err[-2000:]
+    code, out, err, _ = job.signal_and_wait(sig, everyone=True)
+    name = signal.Signals(sig).name
+    assert code == status and _lines(err) == [_lines(err)[0]], err
+    assert _lines(err)[0].startswith(f"ddpkit run: stopped by {name}"), err
+    assert f"stopped by {name} at step" in out and "Traceback" not in out + err, out + err
     assert not _left_behind(job.out)
 
 

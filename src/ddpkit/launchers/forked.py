@@ -77,8 +77,6 @@ def start_server() -> Optional[int]:
 
     prepare_server()
     with _STARTING:
-        # its own start unblocks SIGINT and SIGTERM: first, outside the shield
-        resource_tracker.ensure_running()
         if server_pid() is not None:
             forkserver.ensure_running()  # (started: restarted only if it died)
             return server_pid()
@@ -86,7 +84,11 @@ def start_server() -> Optional[int]:
                   and threading.current_thread() is threading.main_thread())
         before = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED) if shield else None
         os.environ[_ROOM_VAR] = " " * _ROOM  # room for each worker's own (_show_environment)
-        try:  # the mask is inherited: the server (and its resource tracker) start with it
+        try:  # a signal mask is inherited: the tracker and the server start with the shield
+            # (the tracker's own start unblocks SIGINT and SIGTERM here after it: again)
+            resource_tracker.ensure_running()
+            if shield:
+                signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
             forkserver.ensure_running()
         finally:
             os.environ.pop(_ROOM_VAR, None)
