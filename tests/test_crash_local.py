@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import forkrun
 from ddpkit.faults.crash import failure_digest
 from ddpkit.faults.stops import proc_stat
 from ddpkit.launchers.watchdog import kill_stopped
@@ -21,9 +22,7 @@ def _run(tmp_path, source, *flags):
     script = tmp_path / "fails.py"
     script.write_text(source)
     # the 120 s only bounds a hang (a rank left waiting in a collective: 10 min by default)
-    return subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", *flags,
-                           str(script)],
-                          capture_output=True, text=True, timeout=120, env=CLEAN)
+    return forkrun.ddpkit("run", "--nproc", "2", *flags, str(script), timeout=120)
 
 
 def test_the_digest_leaves_out_what_differs_between_ranks():

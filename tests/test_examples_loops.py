@@ -151,19 +151,36 @@ class Background:
                               any(n.endswith(".pt") for n in os.listdir(folder)))
 
     def worker(self, rank):
-        """The pid of rank ``rank``: a child of the launcher with RANK=rank in its environment
-        (DataLoader workers are the rank's children, not the launcher's)."""
+        """The pid of rank ``rank``: a child of the launcher, or of its fork server (a child
+        of the launcher), with RANK=rank in its environment (DataLoader workers are the
+        rank's children and inherit it: not these)."""
+        parents = {}
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open(f"/proc/{pid}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = f.read().split(b"\0")
+                    parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
-            if ppid == self.proc.pid and f"RANK={rank}".encode() in env:
-                return int(pid)
+        under = {pid for pid, ppid in parents.items() if ppid == self.proc.pid}
+        under |= {pid for pid, ppid in parents.items() if ppid in under}
+        for pid in sorted(under):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env and parents.get(parents[pid]) is not None \
+                    and f"RANK={rank}".encode() not in self._environ(parents[pid]):
+                return pid
         raise AssertionError(f"no worker of rank {rank} under launcher {self.proc.pid}")
+
+    @staticmethod
+    def _environ(pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return f.read().split(b"\0")
+        except OSError:
+            return []
 
     def finish(self, timeout=240):
         """Wait for the end: (exit status, everything printed)."""

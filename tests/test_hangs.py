@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
+import forkrun
 from ddpkit.faults.hangs import Heartbeat, _frames_to_show, python_stack
 
 CLEAN = {k: v for k, v in os.environ.items()
@@ -121,8 +122,7 @@ def test_steps_are_written_at_most_once_per_interval():
 def _run_on_two(script, text):
     """``text`` written to ``script``, run by `ddpkit run --nproc 2`."""
     script.write_text(text)
-    return subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
-                          capture_output=True, text=True, timeout=120, env=CLEAN)
+    return forkrun.ddpkit("run", "--nproc", "2", str(script), timeout=120)
 
 
 OWN_LOOP = """import os, signal, time, torch, ddpkit

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import own_loop_script
+import forkrun
 from test_resume import effective_samples
 
 pytestmark = pytest.mark.slow
@@ -31,11 +32,10 @@ CONFIGS = {  # name -> script flags
 
 def run(out, flags, restarts=0, check=True):
     os.makedirs(out, exist_ok=True)
-    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "--max-restarts", str(restarts),
-           os.path.join(HERE, "own_loop_script.py"), "--out", str(out), "--epochs", str(EPOCHS),
-           *flags]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    # the launcher forked (tests/forkrun.py); the kill -9 is the script's own, of its rank
+    res = forkrun.ddpkit("run", "--nproc", "2", "--max-restarts", str(restarts),
+                         os.path.join(HERE, "own_loop_script.py"), "--out", str(out),
+                         "--epochs", str(EPOCHS), *flags, timeout=300)
     if check:
         assert res.returncode == 0, res.stderr[-3000:]
     return res

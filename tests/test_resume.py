@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ddpkit
+import forkrun
 import resume_script
 from ddpkit.checkpoint.files import find_latest, save_checkpoint
 
@@ -109,11 +110,11 @@ def test_resume_on_a_different_world_size_loses_and_repeats_nothing(tmp_path):
 
 
 def _run_with_restarts(out, kill_rank, kill_step, sig="SIGKILL", restarts=2):
-    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "--max-restarts", str(restarts),
-           os.path.join(HERE, "resume_script.py"), "--out", str(out),
-           "--kill-rank", str(kill_rank), "--kill-step", str(kill_step), "--signal", sig]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    # the launcher forked (tests/forkrun.py); the signal is the script's own, to its rank
+    return forkrun.ddpkit("run", "--nproc", "2", "--max-restarts", str(restarts),
+                          os.path.join(HERE, "resume_script.py"), "--out", str(out),
+                          "--kill-rank", str(kill_rank), "--kill-step", str(kill_step),
+                          "--signal", sig, timeout=300)
 
 
 @pytest.mark.parametrize("trial", range(2))

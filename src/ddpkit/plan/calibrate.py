@@ -11,7 +11,6 @@ import copy
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from ..cost.measure import Timing, sync_device
+from ..launchers.forked import Forked
 
 __all__ = ["calibrate", "main"]
 
@@ -64,17 +64,12 @@ def calibrate(job: Dict[str, Any], ranks: int, threads: int, hooks: Dict[str, in
         spec = {**job, "world": ranks, "per_node": per_node or ranks, "threads": threads,
                 "hooks": hooks, "repeats": repeats, "min_time": min_time_s,
                 "step": step, "device": device, "store": os.path.join(tmp, "store")}
-        logs = [open(os.path.join(tmp, f"rank{r}.{kind}"), "w+") for r in range(ranks)
-                for kind in ("out", "err")]
-        procs = [subprocess.Popen([sys.executable, "-m", "ddpkit.plan.calibrate", json.dumps(spec),
-                                   str(r)], stdout=logs[2 * r], stderr=logs[2 * r + 1], env=env)
-                 for r in range(ranks)]
+        # forked from this process's fork server (torch imported once for every timing here,
+        # where a fresh interpreter a rank imported it again each time)
+        procs = [Forked(["-m", "ddpkit.plan.calibrate", json.dumps(spec), str(r)], env=env,
+                        cwd=os.getcwd()) for r in range(ranks)]
         failed = _wait(procs, timeout_s)
-        for log in logs:
-            log.seek(0)
-        said = [log.read() for log in logs]
-        for log in logs:
-            log.close()
+        said = [text for proc in procs for text in proc.communicate(timeout=30)]
     if failed is not None:
         lines = (said[2 * failed + 1].strip() or f"no answer within {timeout_s:g} s").splitlines()
         raise RuntimeError(f"timing the job on {ranks} rank(s) failed on rank {failed}: "
@@ -83,18 +78,17 @@ def calibrate(job: Dict[str, Any], ranks: int, threads: int, hooks: Dict[str, in
     return {name: Timing.of(samples) for name, samples in found.items()}
 
 
-def _wait(procs: List[subprocess.Popen], timeout_s: float) -> Optional[int]:
+def _wait(procs: List[Forked], timeout_s: float) -> Optional[int]:
     """Wait for every rank; the first that fails (or, past ``timeout_s``, the first still
     running) stops the rest. Returns that rank, or None when all ended well."""
     deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs):
-        bad = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+    while any(p.returncode is None for p in procs):
+        bad = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
         late = time.monotonic() > deadline
         if bad is not None or late:
             for p in procs:
-                if p.poll() is None:
+                if p.returncode is None:
                     p.kill()
-                    p.wait()
             return bad if bad is not None else 0
         time.sleep(0.02)
     return next((r for r, p in enumerate(procs) if p.returncode != 0), None)
