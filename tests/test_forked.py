@@ -162,7 +162,7 @@ def test_ranks_that_end_by_os_exit_0_end_the_run(tmp_path):
     code 0 is a success, and so is it here."""
     script = tmp_path / "leave.py"
     script.write_text("import os, torch, ddpkit\nrt = ddpkit.setup()\nrt.reduce(torch.ones(1))\n"
-                      "print('left', rt.rank, flush=True)\nos._exit(0)\n")
+                      "os.write(1, f'left {rt.rank}\\n'.encode())\nos._exit(0)\n")  # one write
     res = forkrun.ddpkit("run", "--nproc", "2", str(script), cwd=tmp_path, timeout=120)
     assert res.returncode == 0 and sorted(res.stdout.split("\n")[:2]) == ["left 0", "left 1"], \
         res.stdout + res.stderr
@@ -181,8 +181,8 @@ LATE = textwrap.dedent('''
 
 def test_workers_get_the_launchers_environment_as_it_is_when_they_start(tmp_path):
     (tmp_path / "launch.py").write_text(LATE)
-    (tmp_path / "worker.py").write_text("import os\nprint(os.environ['RANK'], "
-                                        "os.environ.get('LATE_VAR'), flush=True)\n")
+    (tmp_path / "worker.py").write_text("import os\nos.write(1, f\"{os.environ['RANK']} "
+                                        "{os.environ.get('LATE_VAR')}\\n\".encode())\n")
     res = forkrun.python(str(tmp_path / "launch.py"), str(tmp_path / "worker.py"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["0 set after the server started",
