@@ -14,6 +14,7 @@ from ddpkit.job.config import TrainConfig
 from ddpkit.job.start import WORKER, inside_a_launcher, job_nproc, plan, start
 from ddpkit.launchers.torchrun import RunConfig
 
+import forkrun
 from test_cli import ddpkit
 
 
@@ -57,9 +58,9 @@ def test_a_worker_of_a_launcher_or_an_outer_jobs_variables(environ, parent, insi
 @pytest.mark.parametrize("run_id", ["oldjob", None])
 def test_train_in_a_shell_with_an_outer_jobs_variables_launches_its_own(tmp_path, run_id):
     # once a 10-minute hang that ignored Ctrl-C (with TORCHELASTIC_RUN_ID), else a 60 s wait
-    env = {**os.environ, **OUTER, **({"TORCHELASTIC_RUN_ID": run_id} if run_id else {})}
-    res = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--epochs", "1", "--output",
-                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    env = {**OUTER, **({"TORCHELASTIC_RUN_ID": run_id} if run_id else {})}
+    res = forkrun.ddpkit("train", "--epochs", "1", "--output", str(tmp_path), env=env,
+                         clean=False, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stderr.count("note: ignoring RANK=1 WORLD_SIZE=4") == 1
     assert "final: top-1" in res.stdout
@@ -78,8 +79,7 @@ def test_start_from_python_trains_in_this_process(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_worker_entry_has_help_and_one_line_errors(tmp_path):
     def worker(*args):
-        return subprocess.run([sys.executable, "-m", WORKER, *args], capture_output=True,
-                              text=True, timeout=60)
+        return forkrun.python("-m", WORKER, *args, timeout=60)
 
     ok = worker("--help")
     assert ok.returncode == 0 and ok.stdout.startswith("usage: python -m ddpkit.job.train")
