@@ -399,8 +399,7 @@ def _agent(args: Any, start_method: str) -> None:
         config.start_method = "forkserver"
         return config, forked.python, cmd_args
 
-    forked.prepare_server()  # (started already by run(); else on the first worker)
-    torchrun.config_from_args = forked_config
+    torchrun.config_from_args = forked_config  # (run() started the server)
     try:
         torchrun.run(args)
     finally:

@@ -77,8 +77,6 @@ def stop_lost_workers(known: Iterable[int], grace: float = 5.0,
     for server in filter(None, servers):
         _end_server(server)
     for pid in lost:
-        for forked in children(pid):  # a fork server started by the agent: its workers
-            _kill_group(forked)
         _kill_group(pid)
     deadline = time.monotonic() + grace
     waiting = set(lost)
