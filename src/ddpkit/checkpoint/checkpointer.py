@@ -28,6 +28,7 @@ from .shared_dir import check_shared
 from .per_rank import gather_extras
 from .registry import check_register, restore_value, stateful
 from .restore import load_parts, load_weights, next_position, not_this_run
+from . import live as live_steps
 from .sharded import (async_group, async_writer, is_sharded, remove_shards, save_shards,
                       start_shards)
 from .stopping import StopQuestions, last_save_ends_stop, stop_line
@@ -134,6 +135,8 @@ class Checkpointer:
             check_shared(self.directory, rt.env.num_nodes)
         if resume:
             self.restore(resume)
+        # a fault-tolerant run: heal from a live peer here, step only on committed steps
+        self._live = live_steps.attach(self)
         self._started = time.monotonic()  # step time (how often to ask about stops) from here
         # SIGTERM / SIGUSR1 now mark a stop that step() acts on (under a launcher)
         self._graceful.enter_context(rt.stops.graceful())
@@ -191,6 +194,10 @@ class Checkpointer:
 
             optimizer.step(); ckpt.step()
         """
+        if self._live is not None:  # a step that did not commit is given again: not counted
+            if not self._live.settle():
+                return None
+            global_step = self._live.live.step
         self.global_step = self.global_step + 1 if global_step is None else int(global_step)
         self.rt.heartbeat.step(self.global_step)  # read by the other ranks if a collective hangs
         due = self.directory is not None and self.cadence.due(  # the same on every rank
@@ -276,8 +283,8 @@ class Checkpointer:
 
             ckpt.save()   # e.g. after the epoch's evaluation
         """
-        if self.directory is None:
-            return None
+        if self.directory is None or (self._live is not None and not self._live.live.leads()):
+            return None  # a fault-tolerant run: the quorum's first replica writes
         began = time.monotonic()
         with stall.phase("checkpoint save"):  # the others may wait a while: not a stall
             if self.background is not None:
@@ -391,16 +398,26 @@ class Checkpointer:
             comm.print0(f"no checkpoint in {self.directory}: starting fresh")
             return None
         ckpt = found[1] if found else load_checkpoint(chosen, map_location="cpu")
-        load_weights(self.model, self.optimizer, ckpt, Path(chosen))
-        registered = set(self.extra) - self._unclaimed
-        unmapped = load_parts(self.parts, self.extra, ckpt)  # per rank, on another world size
-        self._unclaimed = set(self.extra) - registered  # kept (and saved again) for register()
-        self._load_position(ckpt, unmapped)
+        self.load_state_dict(ckpt, Path(chosen))
         self.resumed = chosen
         # numbered as the stop line numbers it: "at step 9 (epoch 2)", epochs from 1
         comm.print0(f"resumed from {chosen} at step {self.global_step}"
                     f"{self._where(', mid-epoch')}")
         return chosen
+
+    def load_state_dict(self, ckpt: Dict[str, Any], source: Optional[Path] = None) -> None:
+        """Put back a whole run's state (what :meth:`state_dict` gave): a checkpoint read by
+        :meth:`restore`, or a live peer's state in a fault-tolerant run (a heal).
+
+        Example::
+
+            ckpt.load_state_dict(other.state_dict())
+        """
+        load_weights(self.model, self.optimizer, ckpt, source or Path("."))
+        registered = set(self.extra) - self._unclaimed
+        unmapped = load_parts(self.parts, self.extra, ckpt)  # per rank, on another world size
+        self._unclaimed = set(self.extra) - registered  # kept (and saved again) for register()
+        self._load_position(ckpt, unmapped)
 
     def _load_position(self, ckpt: Dict[str, Any], unmapped: Sequence[str] = ()) -> None:
         progress = ckpt["progress"]

@@ -48,13 +48,25 @@ _LAUNCH_FLAGS = (
                                help="how a node's workers start: forkserver (default: forked "
                                     "from a server that imported torch once) or spawn "
                                     "(torchrun's: each a fresh `python -u SCRIPT`)")),
+    (("--fault-tolerant",), dict(action="store_true", default=None,
+                                 help="each process a replica: a lost one is restarted alone "
+                                      "and takes a live peer's state while the others keep "
+                                      "training, every sample once (torchft underneath: pip "
+                                      "install 'ddpkit[ft]'; docs/failures.md)")),
+    (("--min-replicas",), dict(type=int, default=None, metavar="N",
+                               help="--fault-tolerant: steps commit while at least N replicas "
+                                    "are alive (default 1)")),
+    (("--lighthouse",), dict(metavar="HOST:PORT",
+                             help="--fault-tolerant on several nodes: the lighthouse that keeps "
+                                  "the quorum; node rank 0 starts it there (default on one "
+                                  "node: a free port here)")),
 )
 # Each number's range, checked before anything starts: (least, most), None for no bound.
-_RANGES = {"node_rank": (0, None), "master_port": (1, 65535),
+_RANGES = {"node_rank": (0, None), "min_replicas": (1, None), "master_port": (1, 65535),
            "max_restarts": (0, None), "rdzv_timeout": (0, None), "rdzv_last_call": (0, None)}
 _FIELDS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id",
            "rdzv_timeout", "rdzv_last_call", "max_restarts", "iface", "log_dir", "verbose",
-           "start_method")
+           "start_method", "fault_tolerant", "min_replicas", "lighthouse")
 
 
 def add_launch_flags(parser: argparse.ArgumentParser,

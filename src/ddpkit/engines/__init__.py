@@ -21,6 +21,7 @@ from .ddp import DDPEngine
 from .dp import DPEngine
 from .fsdp import FSDPEngine
 from .horovod import HorovodEngine, started_by_horovod
+from .live import LIVE_VAR, LiveEngine
 from .none import NoneEngine
 from .torchdist import TorchEngine
 
@@ -29,10 +30,11 @@ __all__ = ["Engine", "TorchEngine", "NoneEngine", "ENGINES", "create", "choose",
 
 # The order is the one users see in error messages and --help.
 _ENGINES: Dict[str, Type[Engine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine, "dp": DPEngine,
-                                     "horovod": HorovodEngine, "none": NoneEngine}
+                                     "horovod": HorovodEngine, "none": NoneEngine,
+                                     "live": LiveEngine}
 ENGINES = tuple(_ENGINES)
 # Engines whose collectives replace torch.distributed's when they run (checked in this order).
-_COLLECTIVES = (HorovodEngine,)
+_COLLECTIVES = (HorovodEngine, LiveEngine)
 
 
 def create(name: str) -> Engine:
@@ -58,7 +60,8 @@ def choose(name: str = "auto", environ: Mapping[str, str] = os.environ) -> Engin
     if name == "torch":
         name = "ddp"
     if name == "auto":
-        name = "horovod" if started_by_horovod(environ) else "ddp"
+        name = "horovod" if started_by_horovod(environ) else \
+            "live" if environ.get(LIVE_VAR) == "1" else "ddp"
     if name not in _ENGINES:
         raise ConfigError(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINES)}")
     return _ENGINES[name]()

@@ -52,7 +52,8 @@ def is_main() -> bool:
         if is_main():
             torch.save(state, "model.pt")
     """
-    return rank() == 0
+    # a fault-tolerant run's replicas are jobs of one process: the quorum's first one leads
+    return rank() == 0 and getattr(active(), "leads", lambda: True)()
 
 
 def barrier() -> None:

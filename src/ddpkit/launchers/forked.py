@@ -312,7 +312,7 @@ class Forked:
     """
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str],
-                 cwd: Optional[str] = None) -> None:
+                 cwd: Optional[str] = None, capture: bool = True) -> None:
         import multiprocessing
 
         context = multiprocessing.get_context("forkserver")
@@ -322,7 +322,8 @@ class Forked:
         self._out, self._err = (os.path.join(self._dir, name) for name in ("out", "err"))
         self._process = context.Process(
             target=_forked_main, name="ddpkit-forked", daemon=False,
-            args=(self.args, dict(env), cwd or os.getcwd(), self._out, self._err))
+            args=(self.args, dict(env), cwd or os.getcwd(),
+                  self._out if capture else None, self._err if capture else None))
         self._process.start()
         self.pid: int = self._process.pid
 
@@ -357,7 +358,8 @@ def _read(path: str) -> str:
         return ""
 
 
-def _forked_main(argv: list, env: dict, cwd: str, out: str, err: str) -> None:
+def _forked_main(argv: list, env: dict, cwd: str, out: Optional[str],
+                 err: Optional[str]) -> None:
     # the fork server exits with the process that asked for this one: so does this one
     _die_with_parent()
     os.chdir(cwd)
@@ -366,6 +368,8 @@ def _forked_main(argv: list, env: dict, cwd: str, out: str, err: str) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     for fd, path in ((1, out), (2, err)):
+        if path is None:  # not captured: the launcher's own output
+            continue
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
         os.close(target)

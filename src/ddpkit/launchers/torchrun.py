@@ -19,7 +19,8 @@ from ..faults.crash import LAUNCHER_PID_VAR
 from ..base.errors import ConfigError
 from ..env.k8s import pod_launch
 from ..faults.stops import STOP_SIGNALS, signal_name
-from . import capacity, elastic, forked, network as net, restarts, srun, stacks, watchdog
+from . import (capacity, elastic, forked, network as net, replicas, restarts, srun, stacks,
+               watchdog)
 from .network import port_in_use
 
 __all__ = ["RunConfig", "run", "torchrun_args", "rendezvous_id", "resolve_nproc", "AGENT_SIGNALS"]
@@ -94,6 +95,13 @@ class RunConfig:
     #: How a node's workers start (:mod:`.forked`): ``forkserver``, forked from a server that
     #: imported torch once, or ``spawn``, torchrun's fresh ``python -u SCRIPT`` each.
     start_method: str = "forkserver"
+    #: Each process a replica that is restarted alone and heals from a live peer
+    #: (:mod:`.replicas`, torchft underneath).
+    fault_tolerant: bool = False
+    #: ``fault_tolerant``: steps commit while at least this many replicas are alive.
+    min_replicas: int = 1
+    #: ``fault_tolerant`` on several nodes: ``HOST:PORT`` of the lighthouse (node rank 0's).
+    lighthouse: Optional[str] = None
 
     @property
     def elastic(self) -> bool:
@@ -307,6 +315,10 @@ def run(cfg: RunConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
 
+    if cfg.fault_tolerant:  # each process a replica: restarted alone (torchft underneath)
+        if not cfg.module:
+            _check_script(cfg.script)
+        return replicas.run(cfg, resolve_nproc(cfg.nproc))
     nproc = _validate(cfg)
     if cfg.nnodes <= 1 and not (cfg.elastic or cfg.rdzv_endpoint or cfg.master_addr
                                 or cfg.master_port is not None):

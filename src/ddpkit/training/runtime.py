@@ -23,6 +23,7 @@ from .. import engines
 from ..base import observe
 from .batches import to_device
 from ..faults.crash import install_error_hook
+from ..data.live import live_loader
 from ..data.loader import DistributedLoader, make_loader
 from ..env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from ..env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
@@ -115,6 +116,9 @@ class Runtime:
             loader = rt.loader(train_set, batch_size=256, accum_steps=4)  # 64 / ranks a batch
             loader.batch   # Batch(global_batch=256, world_size=..., accum_steps=4, micro_batch=...)
         """
+        live = engines.live.current()
+        if live is not None:  # a fault-tolerant run: each step split over the live replicas
+            return live_loader(dataset, batch_size, live, **kwargs)
         return make_loader(dataset, batch_size, self.env, device=self.device, **kwargs)
 
     def to_device(self, *batches: Any) -> Any:

@@ -1,0 +1,288 @@
+"""The ``live`` engine (``ddpkit run --fault-tolerant``): every replica a process group of its
+own, the gradient averaged over the replicas alive at each step through torchft's Manager, a
+step committed only where every one of them finished it, a lost replica healed from a live one.
+
+torchft (``pip install 'ddpkit[ft]'``) keeps the quorum (its lighthouse), reconfigures the
+replicas' gloo/NCCL group and moves a peer's state to a replica that joins; ddpkit decides what a
+step's data is (:mod:`ddpkit.data.live`) and what a replica's state is (the checkpointer's).
+To everything else a replica is a job of one process: its collectives answer for one, and
+``rt.evaluate`` evaluates every sample on each replica (exact, and no failure can split it).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import socket
+import warnings
+from datetime import timedelta
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..base.errors import ConfigError
+from ..base.wrap import WrapOptions
+from ..env.detect import ClusterEnv
+from .none import NoneEngine
+
+__all__ = ["LiveEngine", "Live", "LIVE_VAR", "LIGHTHOUSE_VAR", "REPLICA_VAR", "MIN_REPLICAS_VAR",
+           "current"]
+
+#: Set by ``ddpkit run --fault-tolerant`` in each worker: "1".
+LIVE_VAR = "DDPKIT_FAULT_TOLERANT"
+#: The lighthouse's address (``http://host:port``).
+LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
+#: This replica's name among the job's (node and local rank).
+REPLICA_VAR = "DDPKIT_REPLICA_ID"
+#: The fewest replicas a step commits with.
+MIN_REPLICAS_VAR = "DDPKIT_MIN_REPLICAS"
+#: Seconds a quorum (or a heal) may take before the replica gives up with one line.
+QUORUM_TIMEOUT_VAR = "DDPKIT_QUORUM_TIMEOUT"
+
+_CURRENT: Optional["Live"] = None
+
+
+def current() -> Optional["Live"]:
+    """This process's :class:`Live`, when it is a replica of a fault-tolerant run."""
+    return _CURRENT
+
+
+def replica_name() -> str:
+    """This replica's name (``node-localrank``), as the launcher gave it."""
+    return os.environ.get(REPLICA_VAR) or socket.gethostname()
+
+
+def say(line: str) -> None:
+    """One whole line on standard error from this replica, whether or not it leads."""
+    os.write(2, f"ddpkit: {line}\n".encode())
+
+
+def torchft_missing() -> Optional[str]:
+    """One line when torchft cannot be imported, else None."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        return (f"--fault-tolerant needs torchft ({exc}): pip install 'ddpkit[ft]'")
+    return None
+
+
+class Live:
+    """This replica's place among the live ones, step by step: the quorum of the step
+    (``rank`` of ``replicas``), the committed step count (``step``: the data's position),
+    the weight of its gradient (its samples over the step's), and whether the last step
+    committed. Made by :class:`LiveEngine`; the loader and the checkpointer use it.
+
+    Example::
+
+        live = ddpkit.engines.live.current()
+        rank, replicas = live.begin_step()   # the quorum of this step (a heal happens here)
+    """
+
+    def __init__(self, manager: Any, seed: int = 0) -> None:
+        self.manager, self.seed = manager, seed
+        self.rank, self.replicas = 0, 1
+        self.weight = 1.0
+        self.committed = True      # the last step's commit
+        self.quorums = 0           # quorums begun
+        self.heals = 0             # times this replica took a live peer's state
+        self._reused = False       # a quorum begun by the checkpointer, kept for the first step
+
+    @property
+    def step(self) -> int:
+        """Steps committed by the job (equal on every replica of a quorum)."""
+        return int(self.manager.current_step())
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.manager.load_state_dict({"step": int(value),
+                                      "batches_committed": self.manager.batches_committed()})
+
+    def begin_step(self) -> Tuple[int, int]:
+        """Join the step's quorum (taking a live peer's state first if this replica is behind:
+        a heal) and seed this step's random draws; this replica's rank and the replicas."""
+        if self._reused:
+            self._reused = False
+        else:
+            self._quorum()
+        self.rank = int(self.manager.participating_rank() or 0)
+        self.replicas = max(int(self.manager.num_participants()), 1)
+        # dropout and the like: a function of (seed, step, share), whoever computes the share
+        s = (self.seed * 1_000_003 + self.step * 7_919 + self.rank * 104_729
+             + self.replicas * 31) % (2 ** 63)
+        torch.manual_seed(s)
+        random.seed(s)
+        return self.rank, self.replicas
+
+    def join(self) -> None:
+        """The first quorum, before the loop: a replica that joins a running job takes a live
+        peer's state here (the checkpointer calls it), so its loop starts where the job is."""
+        self._quorum()
+        self._reused = True
+
+    def _quorum(self) -> None:
+        before = self.step
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:  # the lighthouse gone, too few replicas for too long
+            raise ConfigError(_quorum_failure(exc)) from None
+        self.quorums += 1
+        if self.step != before:
+            self.heals += 1
+
+    def counted(self, samples: int, global_samples: int) -> None:
+        """The step's batch has ``global_samples``, this replica computes ``samples`` of them."""
+        self.weight = samples / max(global_samples, 1)
+
+    def commit(self) -> bool:
+        """Whether every replica of the quorum finished the step (then the optimizer steps)."""
+        self.committed = bool(self.manager.should_commit())
+        return self.committed
+
+    def leads(self) -> bool:
+        """Whether this replica writes checkpoints and prints for the job now (its quorum's
+        first)."""
+        return self.rank == 0
+
+
+
+def gradient_hook(live, bucket):  # type: ignore[no-untyped-def]  (DDP reads the annotations)
+    """DDP's communication hook: this replica's weighted gradient summed over the quorum (the
+    sum over replicas of share/step samples x the share's mean gradient: the step's mean)."""
+    from torch.distributed import ReduceOp
+
+    buffer = bucket.buffer()
+    buffer.mul_(live.weight)
+    work = live.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
+    work.wait()
+    future = work.get_future()
+    return getattr(future, "_fut", None) or future
+
+
+def _quorum_failure(exc: BaseException) -> str:
+    lighthouse = os.environ.get(LIGHTHOUSE_VAR, "?")
+    wanted = os.environ.get(MIN_REPLICAS_VAR, "1")
+    return (f"no quorum of at least {wanted} replica(s) at the lighthouse {lighthouse} within "
+            f"{os.environ.get(QUORUM_TIMEOUT_VAR, '60')} s ({str(exc).splitlines()[0][:160]}): "
+            "is the node that hosts it up, and are enough replicas running?")
+
+
+def _transport(timeout: timedelta) -> Any:
+    """torchft's HTTP transport of a peer's state, at the address the launcher advertises (the
+    host name may not reach this node: in network namespaces every node has the same one)."""
+    from torchft.checkpointing import HTTPTransport
+
+    host = os.environ.get("DDPKIT_REPLICA_HOST")
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            if not host:
+                return super().address()
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
+
+
+class LiveEngine(NoneEngine):
+    """The engine of a fault-tolerant run (chosen by ``setup()`` when ``ddpkit run
+    --fault-tolerant`` started this process). ``wrap`` is DDP whose gradients go through
+    torchft's Manager, weighted by each replica's share of the step's samples.
+
+    Example::
+
+        rt = ddpkit.setup()        # under ddpkit run --fault-tolerant: engine=live
+        model = rt.wrap(Net())     # gradients summed over the live replicas
+    """
+
+    name = "live"
+
+    @classmethod
+    def running(cls) -> bool:
+        return _CURRENT is not None
+
+    def unavailable(self) -> Optional[str]:
+        return torchft_missing()
+
+    def start(self, env: ClusterEnv, device: torch.device, backend: Optional[str],
+              init_method: Optional[str], timeout: timedelta) -> Optional[str]:
+        """A group of one (this replica) and torchft's Manager, joined to the lighthouse."""
+        global _CURRENT
+        missing = torchft_missing()
+        if missing:
+            raise ConfigError(missing)
+        from torch.distributed import TCPStore
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        if env.world_size != 1:
+            raise ConfigError("a fault-tolerant replica is one process (ddpkit run "
+                              "--fault-tolerant starts them); this one was started with "
+                              f"WORLD_SIZE={env.world_size}")
+        quorum_s = float(os.environ.get(QUORUM_TIMEOUT_VAR, "60"))
+        step_s = min(timeout.total_seconds(), 30.0)  # a dead peer is seen when its socket closes
+        # torchft reads a peer's state from bytes it received: torch warns they are read-only
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=step_s)),
+            load_state_dict=None, state_dict=None,
+            min_replica_size=int(os.environ.get(MIN_REPLICAS_VAR, "1")),
+            use_async_quorum=False, rank=0, world_size=1,
+            store_addr="127.0.0.1", store_port=store.port,
+            lighthouse_addr=os.environ.get(LIGHTHOUSE_VAR),
+            replica_id=os.environ.get(REPLICA_VAR) or socket.gethostname(),
+            hostname=os.environ.get("DDPKIT_REPLICA_HOST") or socket.gethostname(),
+            timeout=timedelta(seconds=step_s), quorum_timeout=timedelta(seconds=quorum_s),
+            connect_timeout=timedelta(seconds=min(quorum_s, 30.0)),
+            heartbeat_interval=timedelta(milliseconds=100),
+            checkpoint_transport=_transport(timedelta(seconds=step_s)))
+        self._store, self._manager = store, manager
+        _CURRENT = Live(manager)
+        return "live"
+
+    def shutdown(self) -> None:
+        global _CURRENT
+        manager = getattr(self, "_manager", None)
+        if manager is not None:
+            with contextlib.suppress(Exception):
+                manager.shutdown(wait=False)
+            self._manager = None
+        _CURRENT = None
+
+    def wrap(self, model: nn.Module, env: ClusterEnv, device: torch.device,
+             options: WrapOptions) -> nn.Module:
+        """DDP over a stand-in group, its buckets reduced by the live replicas (torchft's way:
+        buckets never rebuilt, so a replica that joins has the same ones)."""
+        from torch.nn.parallel import DistributedDataParallel
+        from torchft.process_group import ProcessGroupDummy
+
+        self.check_options(options)
+        live = _CURRENT
+        if live is None:
+            raise ConfigError("rt.wrap: the fault-tolerant engine has not started")
+        module = model.to(device)
+        wrapped = DistributedDataParallel(module, process_group=ProcessGroupDummy(0, 1),
+                                          find_unused_parameters=True)
+        wrapped.register_comm_hook(live, gradient_hook)
+        return wrapped
+
+    def leads(self) -> bool:
+        """Whether this replica prints and writes for the job now."""
+        return _CURRENT is None or _CURRENT.leads()
+
+
+def gate_optimizer(optimizer: torch.optim.Optimizer, live: Live,
+                   on_skip: Optional[Callable[[], None]] = None) -> Any:
+    """Step ``optimizer`` only when the step commits: before each ``step()`` every replica of the
+    quorum says whether it finished; if one did not, the gradients are dropped (a torch
+    optimizer skips a parameter without one) and the step is given again."""
+    def before_step(opt: Any, args: Any, kwargs: Any) -> None:
+        if live.commit():
+            return
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        if on_skip is not None:
+            on_skip()
+
+    return optimizer.register_step_pre_hook(before_step)
