@@ -59,7 +59,8 @@ def unwrap(model: nn.Module) -> nn.Module:
         torch.save(unwrap(model).state_dict(), "model.pt")
     """
     while True:
-        if isinstance(model, (DistributedDataParallel, DataParallel)):
+        if isinstance(model, (DistributedDataParallel, DataParallel)) or \
+                getattr(type(model), "wraps_module", False):  # ddpkit's own wrappers
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
             model = model._orig_mod

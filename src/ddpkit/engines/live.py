@@ -11,6 +11,7 @@ To everything else a replica is a job of one process: its collectives answer for
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import socket
@@ -146,17 +147,59 @@ class Live:
 
 
 
-def gradient_hook(live, bucket):  # type: ignore[no-untyped-def]  (DDP reads the annotations)
-    """DDP's communication hook: this replica's weighted gradient summed over the quorum (the
-    sum over replicas of share/step samples x the share's mean gradient: the step's mean)."""
-    from torch.distributed import ReduceOp
+class LiveModel(nn.Module):
+    """The model of a fault-tolerant replica: after each backward pass (unless in
+    :meth:`no_sync`) its gradients, weighted by this replica's share of the step's samples, are
+    summed over the step's quorum in one all-reduce: the mean gradient of the step's batch,
+    whoever computed which part. Not DDP: DDP rebuilds its buckets after the first step, and a
+    replica that joins later would reduce other buckets than its peers.
 
-    buffer = bucket.buffer()
-    buffer.mul_(live.weight)
-    work = live.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
-    work.wait()
-    future = work.get_future()
-    return getattr(future, "_fut", None) or future
+    Example::
+
+        model = LiveModel(Net(), live)
+        loss = model(x).sum(); loss.backward()   # gradients summed over the live replicas
+    """
+
+    wraps_module = True  # ddpkit.base.wrap.unwrap: the user's module is .module
+
+    def __init__(self, module: nn.Module, live: Live) -> None:
+        super().__init__()
+        self.module, self._live = module, live
+        self._sync, self._queued = True, False
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Any:
+        """Accumulate this micro-batch's gradients without reducing them (as DDP's)."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def _ready(self, _param: torch.Tensor) -> None:
+        if self._sync and not self._queued:  # once the whole backward pass is done
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    def _reduce(self) -> None:
+        from torch.distributed import ReduceOp
+
+        self._queued = False
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        flat = torch._utils._flatten_dense_tensors(grads).mul_(self._live.weight)
+        self._live.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        for p, reduced in zip(self._params,
+                              torch._utils._unflatten_dense_tensors(flat, grads)):
+            if p.grad is not None:
+                p.grad.copy_(reduced)
+            elif reduced.any():  # the others had a gradient for it
+                p.grad = reduced.clone()
 
 
 def _quorum_failure(exc: BaseException) -> str:
@@ -180,7 +223,10 @@ def _transport(timeout: timedelta) -> Any:
                 return super().address()
             return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
-    return Transport(timeout=timeout, num_chunks=0)
+    transport = Transport(timeout=timeout, num_chunks=0)
+    # its HTTP server logs every request a healing peer makes on standard error
+    transport._server.RequestHandlerClass.log_message = lambda *args: None
+    return transport
 
 
 class LiveEngine(NoneEngine):
@@ -220,8 +266,10 @@ class LiveEngine(NoneEngine):
                               f"WORLD_SIZE={env.world_size}")
         quorum_s = float(os.environ.get(QUORUM_TIMEOUT_VAR, "60"))
         step_s = min(timeout.total_seconds(), 30.0)  # a dead peer is seen when its socket closes
-        # torchft reads a peer's state from bytes it received: torch warns they are read-only
+        # torchft reads a peer's state from bytes it received: torch warns they are read-only;
+        # its manager warns at every quorum that NCCL's flight recorder cannot be reset
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        logging.getLogger("torchft").setLevel(logging.ERROR)
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=step_s)),
@@ -251,20 +299,12 @@ class LiveEngine(NoneEngine):
 
     def wrap(self, model: nn.Module, env: ClusterEnv, device: torch.device,
              options: WrapOptions) -> nn.Module:
-        """DDP over a stand-in group, its buckets reduced by the live replicas (torchft's way:
-        buckets never rebuilt, so a replica that joins has the same ones)."""
-        from torch.nn.parallel import DistributedDataParallel
-        from torchft.process_group import ProcessGroupDummy
-
+        """:class:`LiveModel`: gradients summed over the live replicas after each backward."""
         self.check_options(options)
         live = _CURRENT
         if live is None:
             raise ConfigError("rt.wrap: the fault-tolerant engine has not started")
-        module = model.to(device)
-        wrapped = DistributedDataParallel(module, process_group=ProcessGroupDummy(0, 1),
-                                          find_unused_parameters=True)
-        wrapped.register_comm_hook(live, gradient_hook)
-        return wrapped
+        return LiveModel(model.to(device), live)
 
     def leads(self) -> bool:
         """Whether this replica prints and writes for the job now."""

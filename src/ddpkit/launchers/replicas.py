@@ -153,13 +153,13 @@ def run(cfg: Any, nproc: int) -> int:
 
         code = run(RunConfig("train.py", nproc=3, fault_tolerant=True), 3)
     """
+    os.environ.setdefault("RUST_LOG", "error")  # the lighthouse's logs, read at torchft's import
     missing = torchft_missing()
     if missing:
         raise ConfigError(missing)
     if cfg.min_replicas < 1:
         raise ConfigError(f"--min-replicas must be >= 1, got {cfg.min_replicas}")
     restarts = cfg.max_restarts if cfg.max_restarts is not None else RESTARTS
-    os.environ.setdefault("RUST_LOG", "error")  # the lighthouse, in this process
     server, address = start_lighthouse(cfg)
     env = _environment(cfg, address)
     if cfg.start_method == "forkserver":
