@@ -94,6 +94,7 @@ class LiveLoader:
                               "batch or drop_last=False")
         self.batch = Batch(global_batch, 1, 1, global_batch)
         self.batch_size = global_batch
+        self.resident = None  # samples are fetched each step, once its quorum is known
         self.collate = collate_fn or default_collate
         self._data = SeededEachSample(dataset, seed, self.samples)
         self.epoch = self.live.step // self.steps
@@ -108,6 +109,9 @@ class LiveLoader:
     def set_epoch(self, epoch: int) -> None:
         """Accepted, as scripts written for ``DistributedSampler`` call it; the epoch is the
         committed steps' (a replica that joined mid-run is told it by its peers)."""
+
+    def end_pass(self) -> None:
+        """Accepted (``fit`` calls it at an epoch's end): a pass ends with its epoch's steps."""
 
     @property
     def at_last_batch(self) -> bool:

@@ -59,6 +59,12 @@ def choose(name: str = "auto", environ: Mapping[str, str] = os.environ) -> Engin
     """
     if name == "torch":
         name = "ddp"
+    if environ.get(LIVE_VAR) == "1":  # a replica of `ddpkit run --fault-tolerant`
+        if name not in ("auto", "ddp", "live"):
+            raise ConfigError(f"engine {name!r} cannot run fault-tolerant: each replica holds "
+                              "the whole model (engine ddp); leave --fault-tolerant out to "
+                              f"use {name}")
+        name = "live"
     if name == "auto":
         name = "horovod" if started_by_horovod(environ) else \
             "live" if environ.get(LIVE_VAR) == "1" else "ddp"

@@ -36,6 +36,12 @@ LIVE_VAR = "DDPKIT_FAULT_TOLERANT"
 LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
 #: This replica's name among the job's (node and local rank).
 REPLICA_VAR = "DDPKIT_REPLICA_ID"
+#: This replica's number among the job's at start (node rank x processes a node + local).
+REPLICA_INDEX_VAR = "DDPKIT_REPLICA_INDEX"
+#: A file the replica creates once it joined its first quorum (the launcher reads it).
+JOINED_VAR = "DDPKIT_REPLICA_JOINED"
+#: How many replicas this node runs (they share its CPU cores).
+REPLICAS_HERE_VAR = "DDPKIT_REPLICAS_HERE"
 #: The fewest replicas a step commits with.
 MIN_REPLICAS_VAR = "DDPKIT_MIN_REPLICAS"
 #: Seconds a quorum (or a heal) may take before the replica gives up with one line.
@@ -82,7 +88,9 @@ class Live:
 
     def __init__(self, manager: Any, seed: int = 0) -> None:
         self.manager, self.seed = manager, seed
-        self.rank, self.replicas = 0, 1
+        # before the first quorum: the launcher's numbering (the first replica prints)
+        self.rank = int(os.environ.get(REPLICA_INDEX_VAR, "0"))
+        self.replicas = 1
         self.weight = 1.0
         self.committed = True      # the last step's commit
         self.quorums = 0           # quorums begun
@@ -120,6 +128,10 @@ class Live:
         peer's state here (the checkpointer calls it), so its loop starts where the job is."""
         self._quorum()
         self._reused = True
+        joined = os.environ.get(JOINED_VAR)
+        if joined:  # the launcher: from now on a failure is a lost replica, not a bad start
+            with contextlib.suppress(OSError), open(joined, "w"):
+                pass
 
     def _quorum(self) -> None:
         before = self.step
@@ -264,6 +276,9 @@ class LiveEngine(NoneEngine):
             raise ConfigError("a fault-tolerant replica is one process (ddpkit run "
                               "--fault-tolerant starts them); this one was started with "
                               f"WORLD_SIZE={env.world_size}")
+        here = int(os.environ.get(REPLICAS_HERE_VAR, "1"))  # replicas sharing this node's cores
+        if device.type == "cpu" and here > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))
         quorum_s = float(os.environ.get(QUORUM_TIMEOUT_VAR, "60"))
         step_s = min(timeout.total_seconds(), 30.0)  # a dead peer is seen when its socket closes
         # torchft reads a peer's state from bytes it received: torch warns they are read-only;

@@ -125,7 +125,7 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None, overwrite: bool 
     if overwrite and cfg.resume:  # before the implied resume of restarts below
         claim_output(cfg.output, cfg.resume, overwrite)
     # a restarted worker must pick up its work; an elastic group also restarts to grow
-    if (launch.restarts or launch.elastic) and not cfg.resume:
+    if (launch.restarts or launch.elastic or launch.fault_tolerant) and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume="auto")
     inside = inside_a_launcher(os.environ)
     gpus = torch.cuda.device_count() if cfg.accelerator != "cpu" else 0
@@ -138,7 +138,9 @@ def start(cfg: TrainConfig, launch: Optional[RunConfig] = None, overwrite: bool 
         check_gpu_sharing(cfg.nproc, gpus, cfg.backend)
     if not inside:  # before the run directory is written (the launcher says the cores' warning)
         check_memory(cfg.nproc)
-    world = detect(os.environ).world_size if inside else cfg.nproc * launch.nnodes
+    # fault-tolerant: each replica a job of one, the step's batch split over the live ones
+    world = detect(os.environ).world_size if inside or launch.fault_tolerant else \
+        cfg.nproc * launch.nnodes
     if launch.elastic and not inside and not cfg.eval_only:  # MIN nodes: same global batch
         check_every_world(cfg, cfg.nproc, launch.min_nodes or 1, launch.nnodes,
                           known_train_size(cfg))

@@ -86,7 +86,11 @@ def train(cfg: TrainConfig) -> TrainState:
                              compression=cfg.comm_hook)
     scheduler, interval = build_scheduler(cfg, optimizer,
                                           math.ceil(len(loader) / cfg.accum_steps))
-    if not again:
+    if not again and getattr(loader, "live", None) is not None:
+        comm.print0(f"train: {len(train_set)} samples, test: {len(test_set)} samples, "
+                    f"{len(loader)} steps of {loader.batch.global_batch} samples per epoch, "
+                    "each split over the replicas alive at that step")
+    elif not again:
         comm.print0(f"train: {len(train_set)} samples, test: {len(test_set)} samples, "
                     f"{len(loader)} micro-batches of {loader.batch_size} per process per epoch")
     state = fit(rt, model, optimizer, loader, fit_config(cfg, rt, test_set, scheduler, interval))

@@ -17,7 +17,8 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..base.errors import ConfigError
-from ..engines.live import (LIGHTHOUSE_VAR, LIVE_VAR, MIN_REPLICAS_VAR, REPLICA_VAR,
+from ..engines.live import (JOINED_VAR, LIGHTHOUSE_VAR, LIVE_VAR, MIN_REPLICAS_VAR,
+                            REPLICA_INDEX_VAR, REPLICA_VAR, REPLICAS_HERE_VAR,
                             torchft_missing)
 from ..faults.crash import LAUNCHER_PID_VAR
 from ..faults.stops import STOP_SIGNALS, signal_name
@@ -82,11 +83,24 @@ class Replica:
         self.name = f"node{cfg.node_rank}-{local_rank}"
         # a job of one process to everything but torchft: its own device, if there are GPUs
         self.env = {**env, REPLICA_VAR: self.name, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                    REPLICA_INDEX_VAR: str(cfg.node_rank * nproc + local_rank),
+                    REPLICAS_HERE_VAR: str(nproc),
                     **_device(local_rank, env)}
         self.restarts, self.process, self.done = 0, None, False
         self.started_at = 0.0
+        self.joined_file = os.path.join(cfg_dir(), self.name)
+        self.env[JOINED_VAR] = self.joined_file
+        self.failed_starting = 0  # failures in a row before joining a quorum
+        self.raised = 0           # failures in a row by an error (exit code > 0)
+
+    @property
+    def joined(self) -> bool:
+        """Whether the process running now joined a quorum (it started well)."""
+        return os.path.exists(self.joined_file)
 
     def start(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.joined_file)
         env = {**self.env, "TORCHELASTIC_RESTART_COUNT": str(self.restarts),
                "MASTER_PORT": str(net.free_port())}
         argv = (["-m"] if self.cfg.module else []) + [self.cfg.script, *self.cfg.script_args]
@@ -129,6 +143,21 @@ _BAD_INPUT = 2
 
 def _how(code: int) -> str:
     return f"killed by {signal_name(-code)}" if code < 0 else f"exit code {code}"
+
+
+_DIR: List[str] = []
+
+
+def cfg_dir() -> str:
+    """This launcher's scratch directory (the replicas' "joined" files), removed at its end."""
+    if not _DIR:
+        import atexit
+        import shutil
+        import tempfile
+
+        _DIR.append(tempfile.mkdtemp(prefix="ddpkit-replicas-"))
+        atexit.register(shutil.rmtree, _DIR[0], True)
+    return _DIR[0]
 
 
 def _environment(cfg: Any, address: str) -> Dict[str, str]:
@@ -196,7 +225,17 @@ def _watch(replicas: List[Replica], restarts: int, stopped: List[int]) -> int:
                 for other in replicas:
                     other.signal(signal.SIGKILL)
                 return code
+            elif (not r.joined and r.failed_starting >= 1) or (code > 0 and r.raised >= 1):
+                # the script itself fails (twice in a row): a restart would fail again
+                for other in replicas:
+                    other.signal(signal.SIGKILL)
+                when = "before joining the job" if not r.joined else "in a row"
+                _say(f"replica {r.name} failed twice {when} ({_how(code)}; its error is "
+                     "above): stopping every replica")
+                return code if code > 0 else 1
             elif r.restarts < restarts:
+                r.failed_starting = 0 if r.joined else r.failed_starting + 1
+                r.raised = r.raised + 1 if code > 0 else 0  # an error, not a lost process
                 r.restarts += 1
                 _say(f"replica {r.name} failed ({_how(code)}); restarting it alone (restart "
                      f"{r.restarts} of {restarts}): it takes a live peer's state, the others "

@@ -72,7 +72,10 @@ class Runtime:
     rank = property(lambda self: self.env.rank, doc="Global rank.")
     local_rank = property(lambda self: self.env.local_rank, doc="Rank on this node.")
     world_size = property(lambda self: self.env.world_size, doc="Number of processes.")
-    is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0.")
+    is_main = property(lambda self: self.env.rank == 0 and getattr(self.engine, "leads",
+                                                                    lambda: True)(),
+                       doc="True on global rank 0 (a fault-tolerant run: on the replica that "
+                           "leads the step's quorum).")
 
     def wrap(self, model: nn.Module, engine: Optional[str] = None, **options: Any) -> nn.Module:
         """Move to this rank's device and wrap it the engine's way; see :class:`WrapOptions`.
