@@ -102,13 +102,16 @@ class LiveLoader:
         self.last_indices: List[int] = []
         self.last_counted = 0
         self._given = -1  # the step of its epoch the batch given last belongs to
+        self._expected: Optional[int] = None  # the loop's epoch for the next pass, once known
+        self._next = self.epoch + 1
 
     def __len__(self) -> int:
         return self.steps
 
     def set_epoch(self, epoch: int) -> None:
-        """Accepted, as scripts written for ``DistributedSampler`` call it; the epoch is the
-        committed steps' (a replica that joined mid-run is told it by its peers)."""
+        """The loop's epoch (scripts written for ``DistributedSampler`` call it): a pass for an
+        epoch the job has finished already gives nothing (see :meth:`__iter__`)."""
+        self._expected = int(epoch)
 
     def end_pass(self) -> None:
         """Accepted (``fit`` calls it at an epoch's end): a pass ends with its epoch's steps."""
@@ -119,7 +122,16 @@ class LiveLoader:
         return self._given == self.steps - 1
 
     def __iter__(self) -> Iterator[Any]:
+        # The loop counts its epochs itself, one a pass. A replica that took a peer's state
+        # (a heal) mid-pass may be whole epochs behind the job: those passes give nothing, so
+        # the loop's epoch is the data's again and the loop ends with the job's last epoch.
+        expected = self.live.step // self.steps if self._expected is None else self._expected
+        self._expected = None
         self.epoch = self.live.step // self.steps
+        if expected < self.epoch:
+            self._expected = expected + 1
+            return
+        self._next = self.epoch + 1
         while self.live.step // self.steps == self.epoch:
             rank, replicas = self.live.begin_step()  # a heal may move the step
             epoch, k = divmod(self.live.step, self.steps)
@@ -133,6 +145,7 @@ class LiveLoader:
             self.last_indices, self.last_counted, self._given = indices, counted, k
             tagged = [epoch * self.samples + i for i in indices]
             yield self.collate(self._data.__getitems__(tagged))
+        self._expected = self._next
 
     def state_dict(self) -> dict:
         """The position: the committed step (the epoch and the samples of it done follow).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,10 @@ HEARTBEAT_TIMEOUT_MS = 1000
 #: Once enough replicas asked for a quorum, how long to wait for the others (torchft: 60 s).
 JOIN_TIMEOUT_MS = 1000
 _POLL_S = 0.05
+#: Seconds a node waits for the lighthouse on node rank 0 (``--rdzv-timeout`` overrides).
+LIGHTHOUSE_WAIT_S = 300.0
+#: A replica stopped (SIGSTOP, a debugger) this long is said once.
+STOPPED_SAY_S = 3.0
 
 
 def _say(line: str) -> None:
@@ -48,6 +53,7 @@ def start_lighthouse(cfg: Any) -> Tuple[Optional[Any], str]:
         host, port = net.split_endpoint(cfg.lighthouse, 29510)
         address = f"http://{host}:{port}"
         if cfg.node_rank != 0:
+            wait_for_lighthouse(host, port, cfg.rdzv_timeout or LIGHTHOUSE_WAIT_S)
             return None, address
         bind = f"[::]:{port}"
     elif cfg.nnodes > 1:
@@ -64,6 +70,22 @@ def start_lighthouse(cfg: Any) -> Tuple[Optional[Any], str]:
         raise ConfigError(f"could not start the lighthouse on {bind} "
                           f"({str(exc).splitlines()[0][:120]}): is the port free?") from None
     return server, address
+
+
+def wait_for_lighthouse(host: str, port: int, timeout: float) -> None:
+    """Until the lighthouse accepts a connection (node rank 0 may start later); one line past
+    ``timeout`` seconds (``--rdzv-timeout``)."""
+    start, why = time.monotonic(), "?"
+    while time.monotonic() - start < timeout:
+        try:
+            with socket.create_connection((net.resolve(host), port), timeout=2.0):
+                return
+        except OSError as exc:
+            why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+        time.sleep(0.5)
+    raise ConfigError(f"the lighthouse {host}:{port} is not reachable from this node ({why}; "
+                      f"tried for {time.monotonic() - start:.0f} s): start node rank 0 (it "
+                      "runs the lighthouse), or check --lighthouse")
 
 
 def _advertised(cfg: Any) -> str:
@@ -92,6 +114,8 @@ class Replica:
         self.env[JOINED_VAR] = self.joined_file
         self.failed_starting = 0  # failures in a row before joining a quorum
         self.raised = 0           # failures in a row by an error (exit code > 0)
+        self.stopped_since: Optional[float] = None
+        self.said_stopped = False
 
     @property
     def joined(self) -> bool:
@@ -118,6 +142,22 @@ class Replica:
             else self.process.poll()
         return code
 
+    def watch_stopped(self) -> None:
+        """Say once when the replica has been stopped (SIGSTOP, a debugger) a while: the others
+        left it behind at their next step; continued, it heals and goes on."""
+        pid = getattr(self.process, "pid", None)
+        stopped = pid is not None and _state(pid) in ("T", "t")
+        if not stopped:
+            self.stopped_since, self.said_stopped = None, False
+            return
+        now = time.monotonic()
+        self.stopped_since = self.stopped_since or now
+        if not self.said_stopped and now - self.stopped_since >= STOPPED_SAY_S:
+            self.said_stopped = True
+            _say(f"replica {self.name} has been stopped for {now - self.stopped_since:.0f} s "
+                 f"(pid {pid}, state T): the others go on without it; continued (kill -CONT "
+                 f"{pid}) it takes a live peer's state, or kill it to have it restarted")
+
     def signal(self, signum: int) -> None:
         pid = getattr(self.process, "pid", None)
         if pid is not None and self.poll() is None:
@@ -139,6 +179,15 @@ def _device(local_rank: int, env: Dict[str, str]) -> Dict[str, str]:
 
 #: A replica's exit code for bad input (a one-line ConfigError): restarting cannot help.
 _BAD_INPUT = 2
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, T ...), '' if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _how(code: int) -> str:
@@ -188,6 +237,9 @@ def run(cfg: Any, nproc: int) -> int:
         raise ConfigError(missing)
     if cfg.min_replicas < 1:
         raise ConfigError(f"--min-replicas must be >= 1, got {cfg.min_replicas}")
+    if cfg.nnodes <= 1 and cfg.min_replicas > nproc:
+        raise ConfigError(f"--min-replicas {cfg.min_replicas} can never be met: this node runs "
+                          f"{nproc} replica(s) (--nproc {nproc}); ask for fewer or run more")
     restarts = cfg.max_restarts if cfg.max_restarts is not None else RESTARTS
     server, address = start_lighthouse(cfg)
     env = _environment(cfg, address)
@@ -218,8 +270,12 @@ def _watch(replicas: List[Replica], restarts: int, stopped: List[int]) -> int:
         for r in replicas:
             code = None if r.done else r.poll()
             if code is None:
+                r.watch_stopped()
                 continue
             if code == 0:
+                r.done = True
+                _finishing(replicas)
+            elif any(o.done and o.poll() == 0 for o in replicas):  # the training is over
                 r.done = True
             elif code == _BAD_INPUT:  # its error line said why; the others would say the same
                 for other in replicas:
@@ -248,6 +304,23 @@ def _watch(replicas: List[Replica], restarts: int, stopped: List[int]) -> int:
         time.sleep(_POLL_S)
     finished = sum(1 for r in replicas if r.poll() == 0)
     return 0 if finished else (failed or 1)
+
+
+def _finishing(replicas: List[Replica]) -> None:
+    """A replica ran the training to its end: one still starting (not yet in a quorum) would
+    find nobody to heal from and train again alone; it is stopped, not restarted."""
+    for r in replicas:
+        if r.done or r.poll() is not None:
+            continue
+        if not r.joined:
+            why = "was starting"
+        elif r.stopped_since is not None:
+            why = "was stopped (state T)"
+        else:
+            continue  # in the quorum: it ends with the others
+        r.signal(signal.SIGKILL)
+        r.done = True
+        _say(f"replica {r.name} {why} when the training ended: ended")
 
 
 def _stop(replicas: List[Replica], signum: int) -> int:
