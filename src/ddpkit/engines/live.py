@@ -284,7 +284,7 @@ class LiveEngine(NoneEngine):
         # torchft reads a peer's state from bytes it received: torch warns they are read-only;
         # its manager warns at every quorum that NCCL's flight recorder cannot be reset
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        logging.getLogger("torchft").setLevel(logging.ERROR)
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)  # each is handled: a step not committed
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=step_s)),
