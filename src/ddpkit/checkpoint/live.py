@@ -29,6 +29,7 @@ class LiveSteps:
         self._schedule = self._snapshot()
         self._gate = live_engine.gate_optimizer(ckpt.optimizer, live, self._on_skip)
         live.manager.register_state_dict_fn("ddpkit", self._load, self._state)
+        live.attached = True
 
     def _state(self) -> Any:  # what a joining replica takes: a checkpoint's contents
         return self.ckpt.state_dict()

@@ -11,13 +11,15 @@ To everything else a replica is a job of one process: its collectives answer for
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import logging
 import os
 import random
 import socket
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,6 +44,8 @@ REPLICA_INDEX_VAR = "DDPKIT_REPLICA_INDEX"
 JOINED_VAR = "DDPKIT_REPLICA_JOINED"
 #: How many replicas this node runs (they share its CPU cores).
 REPLICAS_HERE_VAR = "DDPKIT_REPLICAS_HERE"
+#: A directory where each replica writes the samples of every step it committed (an audit).
+LEDGER_VAR = "DDPKIT_LIVE_LEDGER"
 #: The fewest replicas a step commits with.
 MIN_REPLICAS_VAR = "DDPKIT_MIN_REPLICAS"
 #: Seconds a quorum (or a heal) may take before the replica gives up with one line.
@@ -87,7 +91,14 @@ class Live:
     """
 
     def __init__(self, manager: Any, seed: int = 0) -> None:
-        self.manager, self.seed = manager, seed
+        # the Manager (or what makes it): made when first needed, by the checkpointer right
+        # before the first quorum: from then on it heartbeats, and the lighthouse waits for a
+        # replica that heartbeats (up to its join timeout, at every step of the others)
+        self._manager = None if callable(manager) and not hasattr(manager, "current_step") \
+            else manager
+        self._make = manager if self._manager is None else None
+        self._pending_step = 0
+        self.seed = seed
         # before the first quorum: the launcher's numbering (the first replica prints)
         self.rank = int(os.environ.get(REPLICA_INDEX_VAR, "0"))
         self.replicas = 1
@@ -96,20 +107,48 @@ class Live:
         self.quorums = 0           # quorums begun
         self.heals = 0             # times this replica took a live peer's state
         self._reused = False       # a quorum begun by the checkpointer, kept for the first step
+        self._said_replicas = 0    # the replicas of the last committed step said
+        self.attached = False      # a checkpointer holds this replica's state
+        #: the samples this replica counted in the step under way (the loader sets them)
+        self.share: List[int] = []
+        self._ledger = _open_ledger()
+
+    @property
+    def manager(self) -> Any:
+        """torchft's Manager of this replica (made at the first use)."""
+        if self._manager is None:
+            self._manager = self._make()
+            self._manager.load_state_dict({"step": self._pending_step, "batches_committed": 0})
+        return self._manager
 
     @property
     def step(self) -> int:
         """Steps committed by the job (equal on every replica of a quorum)."""
-        return int(self.manager.current_step())
+        if self._manager is None:
+            return self._pending_step
+        return int(self._manager.current_step())
 
     @step.setter
     def step(self, value: int) -> None:
-        self.manager.load_state_dict({"step": int(value),
-                                      "batches_committed": self.manager.batches_committed()})
+        if self._manager is None:
+            self._pending_step = int(value)
+            return
+        self._manager.load_state_dict({"step": int(value),
+                                       "batches_committed": self._manager.batches_committed()})
+
+    def shutdown(self) -> None:
+        """Leave: the Manager's servers stop (the others see this replica gone)."""
+        if self._manager is not None:
+            with contextlib.suppress(Exception):
+                self._manager.shutdown(wait=False)
 
     def begin_step(self) -> Tuple[int, int]:
         """Join the step's quorum (taking a live peer's state first if this replica is behind:
         a heal) and seed this step's random draws; this replica's rank and the replicas."""
+        if not self.attached:
+            raise ConfigError("a fault-tolerant run needs rt.checkpointer(directory or None, "
+                              "model=, optimizer=, loader=) before its loop: a replica that "
+                              "joins takes what it holds from a live peer")
         if self._reused:
             self._reused = False
         else:
@@ -150,6 +189,13 @@ class Live:
     def commit(self) -> bool:
         """Whether every replica of the quorum finished the step (then the optimizer steps)."""
         self.committed = bool(self.manager.should_commit())
+        if self.committed and self._ledger is not None:  # the audit: which samples counted
+            self._ledger.write(json.dumps({"step": self.step - 1, "idx": self.share}) + "\n")
+        if self.committed and self.replicas != self._said_replicas:
+            if self._said_replicas and self.leads():  # the first quorum is no news
+                say(f"step {self.step - 1} committed by {self.replicas} replica(s) "
+                    f"({self._said_replicas} before)")
+            self._said_replicas = self.replicas
         return self.committed
 
     def leads(self) -> bool:
@@ -214,6 +260,18 @@ class LiveModel(nn.Module):
                 p.grad = reduced.clone()
 
 
+def _open_ledger() -> Optional[Any]:
+    """``DDPKIT_LIVE_LEDGER=DIR``: each replica appends every step it committed and the samples
+    it counted there, one JSON line a step (``ledger-REPLICA-ATTEMPT.jsonl``), to count that
+    each sample of an epoch was trained once."""
+    directory = os.environ.get(LEDGER_VAR)
+    if not directory:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    name = f"ledger-{replica_name()}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.jsonl"
+    return open(os.path.join(directory, name), "a", buffering=1)
+
+
 def _quorum_failure(exc: BaseException) -> str:
     lighthouse = os.environ.get(LIGHTHOUSE_VAR, "?")
     wanted = os.environ.get(MIN_REPLICAS_VAR, "1")
@@ -239,6 +297,32 @@ def _transport(timeout: timedelta) -> Any:
     # its HTTP server logs every request a healing peer makes on standard error
     transport._server.RequestHandlerClass.log_message = lambda *args: None
     return transport
+
+
+def _manager(step_s: float, quorum_s: float) -> Any:
+    """torchft's Manager of this replica (a group of one), reporting to the lighthouse."""
+    from torch.distributed import TCPStore
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    # peers meet in the quorum's first replica's store: at the address they reach it on
+    host = os.environ.get("DDPKIT_REPLICA_HOST") or "127.0.0.1"
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=step_s)),
+        load_state_dict=None, state_dict=None,
+        min_replica_size=int(os.environ.get(MIN_REPLICAS_VAR, "1")),
+        use_async_quorum=False, rank=0, world_size=1,
+        store_addr=host, store_port=store.port,
+        lighthouse_addr=os.environ.get(LIGHTHOUSE_VAR),
+        replica_id=replica_name(),
+        hostname=host,  # where peers reach its server (a heal's transfer too)
+        timeout=timedelta(seconds=step_s), quorum_timeout=timedelta(seconds=quorum_s),
+        connect_timeout=timedelta(seconds=min(quorum_s, 30.0)),
+        heartbeat_interval=timedelta(milliseconds=100),
+        checkpoint_transport=_transport(timedelta(seconds=step_s)))
+    manager._ddpkit_store = store  # the store lives as long as the manager
+    return manager
 
 
 class LiveEngine(NoneEngine):
@@ -268,9 +352,6 @@ class LiveEngine(NoneEngine):
         missing = torchft_missing()
         if missing:
             raise ConfigError(missing)
-        from torch.distributed import TCPStore
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
         if env.world_size != 1:
             raise ConfigError("a fault-tolerant replica is one process (ddpkit run "
@@ -285,31 +366,15 @@ class LiveEngine(NoneEngine):
         # its manager warns at every quorum that NCCL's flight recorder cannot be reset
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         logging.getLogger("torchft").setLevel(logging.CRITICAL)  # each is handled: a step not committed
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=step_s)),
-            load_state_dict=None, state_dict=None,
-            min_replica_size=int(os.environ.get(MIN_REPLICAS_VAR, "1")),
-            use_async_quorum=False, rank=0, world_size=1,
-            store_addr="127.0.0.1", store_port=store.port,
-            lighthouse_addr=os.environ.get(LIGHTHOUSE_VAR),
-            replica_id=os.environ.get(REPLICA_VAR) or socket.gethostname(),
-            hostname=os.environ.get("DDPKIT_REPLICA_HOST") or socket.gethostname(),
-            timeout=timedelta(seconds=step_s), quorum_timeout=timedelta(seconds=quorum_s),
-            connect_timeout=timedelta(seconds=min(quorum_s, 30.0)),
-            heartbeat_interval=timedelta(milliseconds=100),
-            checkpoint_transport=_transport(timedelta(seconds=step_s)))
-        self._store, self._manager = store, manager
-        _CURRENT = Live(manager)
+        _CURRENT = Live(functools.partial(_manager, step_s, quorum_s))
+        if env.restart_count == 0:  # the job's start: the first quorum waits for every replica
+            _CURRENT.manager  # heartbeating from here  # noqa: B018
         return "live"
 
     def shutdown(self) -> None:
         global _CURRENT
-        manager = getattr(self, "_manager", None)
-        if manager is not None:
-            with contextlib.suppress(Exception):
-                manager.shutdown(wait=False)
-            self._manager = None
+        if _CURRENT is not None:
+            _CURRENT.shutdown()
         _CURRENT = None
 
     def wrap(self, model: nn.Module, env: ClusterEnv, device: torch.device,

@@ -190,6 +190,19 @@ def _state(pid: int) -> str:
         return ""
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Any:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def _how(code: int) -> str:
     return f"killed by {signal_name(-code)}" if code < 0 else f"exit code {code}"
 
@@ -244,7 +257,9 @@ def run(cfg: Any, nproc: int) -> int:
     server, address = start_lighthouse(cfg)
     env = _environment(cfg, address)
     if cfg.start_method == "forkserver":
-        forked.start_server()
+        # the server reads it as it imports torch (the workers' C++ log level is its own)
+        with _env("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")):
+            forked.start_server()
     replicas = [Replica(cfg, i, nproc, env) for i in range(nproc)]
     stopped: List[int] = []
     handlers = {s: signal.signal(s, lambda signum, _f: stopped.append(signum))
