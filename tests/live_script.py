@@ -48,6 +48,7 @@ def main():
     p.add_argument("--raise-step", type=int, default=-1)  # replica 1, every attempt: raise
     p.add_argument("--ckpt", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0)  # a slower step, seconds
+    p.add_argument("--async-save", action="store_true")
     args = p.parse_args()
     with ddpkit.setup() as rt:
         torch.manual_seed(0)
@@ -58,7 +59,8 @@ def main():
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
         loader = rt.loader(Augmented(), batch_size=BATCH, seed=7, num_workers=2)
         ckpt = rt.checkpointer(args.ckpt, model=model, optimizer=opt, scheduler=sched,
-                               loader=loader, every_steps=5, extra={"evals": []})
+                               loader=loader, every_steps=5, extra={"evals": []},
+                               async_save=args.async_save)
         name, attempt = os.environ["DDPKIT_REPLICA_ID"], rt.env.restart_count
         ledger = open(os.path.join(args.out, f"ledger-{name}-{attempt}.jsonl"), "w", buffering=1)
         ledger.write(json.dumps({"start": ckpt.global_step, "pid": os.getpid()}) + "\n")

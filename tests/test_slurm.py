@@ -379,3 +379,36 @@ def test_an_elastic_job_that_loses_a_node_goes_on_with_the_others(tmp_path):
     final = torch.load(job.out / "final.pt", weights_only=True)
     assert final["step"] == 3 * resume_script.SAMPLES // 8
     assert_every_sample_once(str(job.out), 3)
+
+
+def test_a_fault_tolerant_job_that_loses_a_node_goes_on_without_a_restart(tmp_path):
+    """`ddpkit slurm --fault-tolerant` on 2 nodes (a replica each; the first node runs the
+    lighthouse); node2 dies (slurmd, its task, its replica: kill -9 of everything in the
+    node): node1's replica never restarts, goes on alone, every sample once, COMPLETED."""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install 'ddpkit[ft]')")
+    import live_script
+    from test_live import EPOCHS as LIVE_EPOCHS, STEPS, assert_every_sample_once as each_once
+    from test_live import ends, ledgers
+
+    with SlurmCluster(2, workdir=tmp_path / "slurm", slurmd_timeout=10) as s:
+        text = render("--nodes", "2", "--gpus-per-node", "0", "--fault-tolerant", "--no-requeue",
+                      os.path.join(HERE, "live_script.py"), "--out", "@OUT@",
+                      "--step-sleep", "0.2", "--epochs", str(LIVE_EPOCHS))
+        assert "#SBATCH --no-kill" in text and "ddpkit run --fault-tolerant" in text
+        job = Job(s, tmp_path, "ft", text)
+
+        def steps_of(replica):
+            return [r for r in ledgers(job.out).get((replica, 0), []) if "step" in r]
+
+        wait_for(lambda: len(steps_of("node1-0")) >= 8, 180, "8 steps on 2 nodes")
+        s.net.kill(1)  # node2 is gone: slurmd and everything it started
+        info = job.wait(240)
+        log = job.output()
+        assert info.state == "COMPLETED", log[-3000:]
+        assert "ddpkit: step " in log and "committed by 1 replica(s) (2 before)" in log, log
+        assert "srun: error: Node failure on node2" in log  # Slurm saw the node go
+    found = ledgers(job.out)
+    assert ("node0-0", 1) not in found  # the survivor never restarted
+    each_once(found)
+    assert ends(found)[("node0-0", 0)]["end"] == LIVE_EPOCHS * STEPS
+    assert live_script.SAMPLES == 91

@@ -23,6 +23,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-nodes", type=int, default=None, metavar="MIN",
                    help="elastic: go on while at least MIN of the nodes remain (#SBATCH "
                         "--no-kill, ddpkit run --nnodes MIN:$SLURM_NNODES)")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="each process a replica: a lost node is left behind while the others "
+                        "keep training, and heals from them when it is back (ddpkit run "
+                        "--fault-tolerant; with --min-nodes, steps commit while that many "
+                        "nodes are alive)")
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--job-name", default="ddpkit")
     p.add_argument("--time", default="01:00:00")
@@ -48,5 +53,6 @@ def _cmd_slurm(ns: argparse.Namespace) -> int:
                         job_name=ns.job_name, time=ns.time, partition=ns.partition,
                         cpus_per_task=ns.cpus_per_task, port=ns.port,
                         rdzv_timeout=ns.rdzv_timeout, max_restarts=ns.max_restarts or 0,
-                        requeue_grace=ns.requeue_grace, min_nodes=ns.min_nodes), end="")
+                        requeue_grace=ns.requeue_grace, min_nodes=ns.min_nodes,
+                        fault_tolerant=ns.fault_tolerant), end="")
     return 0

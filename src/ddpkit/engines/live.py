@@ -109,6 +109,9 @@ class Live:
         self._reused = False       # a quorum begun by the checkpointer, kept for the first step
         self._said_replicas = 0    # the replicas of the last committed step said
         self.attached = False      # a checkpointer holds this replica's state
+        #: called as each step begins, and when a step does not commit (undo what it did)
+        self.at_begin: List[Callable[[], None]] = []
+        self.at_rollback: List[Callable[[], None]] = []
         #: the samples this replica counted in the step under way (the loader sets them)
         self.share: List[int] = []
         self._ledger = _open_ledger()
@@ -160,6 +163,8 @@ class Live:
              + self.replicas * 31) % (2 ** 63)
         torch.manual_seed(s)
         random.seed(s)
+        for begin in self.at_begin:
+            begin()
         return self.rank, self.replicas
 
     def join(self) -> None:
@@ -189,6 +194,9 @@ class Live:
     def commit(self) -> bool:
         """Whether every replica of the quorum finished the step (then the optimizer steps)."""
         self.committed = bool(self.manager.should_commit())
+        if not self.committed:
+            for undo in self.at_rollback:
+                undo()
         if self.committed and self._ledger is not None:  # the audit: which samples counted
             self._ledger.write(json.dumps({"step": self.step - 1, "idx": self.share}) + "\n")
         if self.committed and self.replicas != self._said_replicas:
@@ -225,11 +233,26 @@ class LiveModel(nn.Module):
         self.module, self._live = module, live
         self._sync, self._queued = True, False
         self._params = [p for p in module.parameters() if p.requires_grad]
+        # running statistics (BatchNorm's): each replica's from its share; averaged with the
+        # same weights they are the step's batch's, and the same on every replica after a step
+        self._buffers = [b for b in module.buffers() if b.is_floating_point()]
+        self._saved: List[torch.Tensor] = []
+        if self._buffers:  # a step that does not commit leaves them as they were before it
+            live.at_begin.append(self._save_buffers)
+            live.at_rollback.append(self._restore_buffers)
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._ready)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def _save_buffers(self) -> None:
+        self._saved = [b.detach().clone() for b in self._buffers]
+
+    def _restore_buffers(self) -> None:
+        with torch.no_grad():
+            for b, saved in zip(self._buffers, self._saved):
+                b.copy_(saved)
 
     @contextlib.contextmanager
     def no_sync(self) -> Any:
@@ -250,14 +273,18 @@ class LiveModel(nn.Module):
 
         self._queued = False
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        flat = torch._utils._flatten_dense_tensors(grads).mul_(self._live.weight)
+        tensors = grads + [b.detach() for b in self._buffers]
+        flat = torch._utils._flatten_dense_tensors(tensors).mul_(self._live.weight)
         self._live.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        for p, reduced in zip(self._params,
-                              torch._utils._unflatten_dense_tensors(flat, grads)):
+        reduced = torch._utils._unflatten_dense_tensors(flat, tensors)
+        for p, value in zip(self._params, reduced):
             if p.grad is not None:
-                p.grad.copy_(reduced)
-            elif reduced.any():  # the others had a gradient for it
-                p.grad = reduced.clone()
+                p.grad.copy_(value)
+            elif value.any():  # the others had a gradient for it
+                p.grad = value.clone()
+        with torch.no_grad():
+            for b, value in zip(self._buffers, reduced[len(grads):]):
+                b.copy_(value)
 
 
 def _open_ledger() -> Optional[Any]:

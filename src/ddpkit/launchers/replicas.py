@@ -44,6 +44,17 @@ def _say(line: str) -> None:
     os.write(2, f"ddpkit run: {line}\n".encode())
 
 
+def _node_rank_from_slurm(cfg: Any, environ: Any) -> Any:
+    """In a task of an srun step (one a node), the node's rank is Slurm's ``SLURM_NODEID``:
+    the first node of the allocation, rank 0, runs the lighthouse."""
+    import dataclasses
+
+    if cfg.nnodes > 1 and cfg.node_rank == 0 and "SLURM_STEP_ID" in environ and \
+            "SLURM_NODEID" in environ:
+        return dataclasses.replace(cfg, node_rank=int(environ["SLURM_NODEID"]))
+    return cfg
+
+
 def start_lighthouse(cfg: Any) -> Tuple[Optional[Any], str]:
     """The lighthouse this node's replicas report to: ``(server or None, http address)``; node
     rank 0 (or a single node) runs it in this process."""
@@ -254,6 +265,7 @@ def run(cfg: Any, nproc: int) -> int:
         raise ConfigError(f"--min-replicas {cfg.min_replicas} can never be met: this node runs "
                           f"{nproc} replica(s) (--nproc {nproc}); ask for fewer or run more")
     restarts = cfg.max_restarts if cfg.max_restarts is not None else RESTARTS
+    cfg = _node_rank_from_slurm(cfg, os.environ)
     server, address = start_lighthouse(cfg)
     env = _environment(cfg, address)
     if cfg.start_method == "forkserver":

@@ -89,6 +89,7 @@ def render_sbatch(
     max_restarts: int = 0,
     requeue_grace: int | None = DEFAULT_REQUEUE_GRACE,
     min_nodes: int | None = None,
+    fault_tolerant: bool = False,
 ) -> str:
     """Render an sbatch script running ``ddpkit run`` on ``nodes`` x ``gpus_per_node``.
 
@@ -101,7 +102,10 @@ def render_sbatch(
     its step and saves a checkpoint (:mod:`ddpkit.faults.stops`), and the job requeues itself, to
     resume from it (``None``: no signal, no requeue). ``min_nodes``: elastic, the job goes on
     while that many nodes remain (``--no-kill``, ``--nnodes MIN:$SLURM_NNODES``; a lost node's
-    task does not end the step).
+    task does not end the step). ``fault_tolerant``: each process a replica
+    (``ddpkit run --fault-tolerant``: a lost node's replicas are left behind while the others
+    keep training, and come back when the node does; the first node runs the lighthouse at
+    ``port``; with ``min_nodes``, steps commit while that many nodes' replicas are alive).
 
     Example::
 
@@ -139,7 +143,7 @@ def render_sbatch(
         # append: a requeued run adds to the log instead of replacing the preempted one's.
         lines += [f"#SBATCH --signal=B:USR1@{requeue_grace}", "#SBATCH --requeue",
                   "#SBATCH --open-mode=append"]
-    if min_nodes is not None:  # a node that fails does not end the allocation
+    if min_nodes is not None or fault_tolerant:  # a node that fails does not end the allocation
         lines += ["#SBATCH --no-kill"]
     lines += [_directive(line) for line in extra_sbatch]
     command = " ".join(shlex.quote(arg) for arg in [script, *script_args])
@@ -154,13 +158,18 @@ def render_sbatch(
         *(["# One port per job: jobs that share a node do not collide.",
            f"port={PORT_FROM_JOB_ID}"] if port is None else [f"port={port}"]),
         "",
-        "# One launcher per node; node ranks come from the rendezvous.",
+        "# One launcher per node; node ranks come from the rendezvous (or from Slurm).",
     ]
     # elastic: a lost node's task leaves the others running; they go on with the nodes left
     launch = ("srun ddpkit run --nnodes \"$SLURM_NNODES\"" if min_nodes is None else
               f"srun --no-kill --kill-on-bad-exit=0 ddpkit run --nnodes {min_nodes}:\"$SLURM_NNODES\"")
     srun = (f'{launch} --nproc {nproc} '
             f'--rdzv-endpoint "$head_node:$port" --rdzv-id "$SLURM_JOB_ID"{options} {command}')
+    if fault_tolerant:  # no rendezvous: the lighthouse on the first node keeps the quorum
+        least = f" --min-replicas {min_nodes * nproc}" if min_nodes is not None else ""
+        srun = ('srun --no-kill --kill-on-bad-exit=0 ddpkit run --fault-tolerant --nnodes '
+                f'"$SLURM_NNODES" --nproc {nproc} --lighthouse "$head_node:$port"{least}'
+                f'{options} {command}')
     lines += [srun] if requeue_grace is None else _requeue(srun, requeue_grace)
     return "\n".join(lines) + "\n"
 

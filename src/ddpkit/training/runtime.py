@@ -266,7 +266,8 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     install_error_hook(_rank_hint(os.environ))  # a job set up wrongly: one line, not a traceback
     env = chosen.environment(env, sys.argv if argv is None else argv, expected_world_size)
     stops = Stops()
-    if env.is_distributed and "ipykernel" not in sys.modules:
+    # a rank of a job (a fault-tolerant replica too: a job of one among the others)
+    if (env.is_distributed or chosen.name == "live") and "ipykernel" not in sys.modules:
         stops.install()  # a rank of a job; one process (a script, a notebook) keeps Ctrl-C as is
     install_error_hook(env.rank, stops=stops)  # before init: a bad backend is one line as well
     comm.install_rank_warnings(env.rank)
