@@ -61,7 +61,9 @@ def main():
         ckpt = rt.checkpointer(args.ckpt, model=model, optimizer=opt, scheduler=sched,
                                loader=loader, every_steps=5, extra={"evals": []},
                                async_save=args.async_save)
-        name, attempt = os.environ["DDPKIT_REPLICA_ID"], rt.env.restart_count
+        # a replica's name under --fault-tolerant; a rank's under restart-based ddpkit run
+        name = os.environ.get("DDPKIT_REPLICA_ID", f"rank{rt.rank}")
+        attempt = rt.env.restart_count
         ledger = open(os.path.join(args.out, f"ledger-{name}-{attempt}.jsonl"), "w", buffering=1)
         ledger.write(json.dumps({"start": ckpt.global_step, "pid": os.getpid()}) + "\n")
         mine = name.endswith("-1")

@@ -109,6 +109,7 @@ def ends(found):
     return {key: records[-1] for key, records in found.items() if "end" in records[-1]}
 
 
+@pytest.mark.slow
 def test_a_killed_replica_is_restarted_alone_and_heals_from_a_live_peer(tmp_path):
     res = run(tmp_path, "--kill-step", "10", "--step-sleep", "0.1")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -132,6 +133,7 @@ def test_a_killed_replica_is_restarted_alone_and_heals_from_a_live_peer(tmp_path
         assert len(e["evals"]) == len(first["evals"])
 
 
+@pytest.mark.slow
 def test_without_randomness_a_run_with_a_loss_ends_where_an_uninterrupted_one_does(tmp_path):
     calm = run(tmp_path / "calm", "--dropout", "0")
     lost = run(tmp_path / "lost", "--dropout", "0", "--kill-step", "7", "--step-sleep", "0.1")
@@ -143,6 +145,7 @@ def test_without_randomness_a_run_with_a_loss_ends_where_an_uninterrupted_one_do
     assert torch.allclose(torch.tensor(a["params"]), torch.tensor(b["params"]), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_stopped_replica_is_left_behind_then_heals_when_continued(tmp_path):
     out = tmp_path
     os.makedirs(out, exist_ok=True)
@@ -194,6 +197,7 @@ def _wait_for_step(out, replica, step, timeout=60):
     raise AssertionError(f"{replica} never reached step {step} without the stopped one")
 
 
+@pytest.mark.slow
 def test_a_script_that_raises_every_time_stops_every_replica_with_one_line(tmp_path):
     res = run(tmp_path, "--raise-step", "4", "--step-sleep", "0.1")
     assert res.returncode == 1
@@ -203,6 +207,7 @@ def test_a_script_that_raises_every_time_stops_every_replica_with_one_line(tmp_p
     assert res.stderr.count("RuntimeError: a bug at step ") == 2  # at 4, then where it healed
 
 
+@pytest.mark.slow
 def test_the_whole_job_lost_resumes_exactly_from_its_checkpoints(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     calm = run(tmp_path / "calm", "--ckpt", str(tmp_path / "calm-ckpt"))
@@ -246,6 +251,7 @@ def test_an_unreachable_lighthouse_is_named_within_the_wait(tmp_path):
     assert time.monotonic() - began < 30
 
 
+@pytest.mark.slow
 def test_too_few_replicas_for_too_long_is_one_line_naming_the_wait(tmp_path):
     res = run(tmp_path, "--step-sleep", "0.05", "--kill-step", "3", nproc=2,
               launcher=("--min-replicas", "2", "--max-restarts", "0"),
@@ -254,3 +260,30 @@ def test_too_few_replicas_for_too_long_is_one_line_naming_the_wait(tmp_path):
     said = [line for line in res.stderr.splitlines() if "error:" in line or "ddpkit run:" in line]
     assert any("no quorum of at least 2 replica(s)" in line for line in said), res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_a_stop_signal_saves_and_the_same_command_resumes_exactly(tmp_path):
+    from ddpkit.launchers.forked import Forked
+
+    calm = run(tmp_path / "calm", "--ckpt", str(tmp_path / "calm-ckpt"))
+    assert calm.returncode == 0, calm.stderr[-3000:]
+    out, ckpt = tmp_path / "stopped", str(tmp_path / "ckpt")
+    os.makedirs(out)
+    argv = ["-m", "ddpkit", "run", "--fault-tolerant", "--nproc", "3", SCRIPT, "--out", str(out),
+            "--epochs", str(EPOCHS), "--ckpt", ckpt]
+    proc = Forked(argv + ["--step-sleep", "0.1"], env=dict(os.environ), cwd=str(out))
+    try:
+        _wait_for_step(out, "node0-0", 8)
+        os.kill(proc.pid, signal.SIGTERM)  # as Slurm or a terminal would stop the launcher
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM" in err and "Traceback" not in err, err[-3000:]
+    again = forkrun.python(*argv, cwd=str(out), timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {ckpt}/ckpt-" in again.stdout
+    a = next(iter(ends(ledgers(tmp_path / "calm")).values()))
+    done = [e for e in ends(ledgers(out)).values() if e["end"] == EPOCHS * STEPS]
+    assert len(done) == 3 and all(e["params"] == a["params"] for e in done)  # bitwise

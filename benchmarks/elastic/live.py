@@ -4,6 +4,8 @@ and resumes from the last checkpoint) and fault-tolerant (`ddpkit train --fault-
 survivors keep committing steps, the lost replica heals from a live peer). Root only.
 
     python benchmarks/elastic/live.py --every 60 -- --epochs 400 --batch-size 48
+    python benchmarks/elastic/live.py --every 60 --script tests/live_script.py -- --epochs 900 \
+        --step-sleep 0.02
 
 Each round runs, per mode, the same job uninterrupted then with failures (A B A B: elastic calm,
 live calm, elastic stormy, live stormy); a failure is `kill -9` of one node's training process
@@ -37,29 +39,42 @@ ENV = {"OMP_NUM_THREADS": "1"}  # 3 ranks on a few cores: steadier steps than 2 
 WORKER = "ddpkit.job.train"     # the training process's command line (launchers are "ddpkit train")
 
 
+SCRIPT = None  # --script: a user's own loop (ddpkit run SCRIPT) instead of ddpkit train
+
+
 def command(mode, c, node, out, extra):
-    base = [sys.executable, "-m", "ddpkit", "train", "--nproc", "1", "--output", out,
-            "--no-progress", *extra]
     if mode == "elastic":
-        return base + ["--nnodes", "2:3", "--rdzv-endpoint", f"{c.ip(0)}:{PORT}",
-                       "--max-restarts", "100"]
-    return base + ["--fault-tolerant", "--nnodes", "3", "--node-rank", str(node),
-                   "--lighthouse", f"{c.ip(0)}:{PORT}", "--max-restarts", "100"]
+        how = ["--nnodes", "2:3", "--rdzv-endpoint", f"{c.ip(0)}:{PORT}", "--max-restarts", "100"]
+    else:
+        how = ["--fault-tolerant", "--nnodes", "3", "--node-rank", str(node),
+               "--lighthouse", f"{c.ip(0)}:{PORT}", "--max-restarts", "100"]
+    if SCRIPT:  # its checkpoints in the shared output directory: resumed after a restart
+        return [sys.executable, "-m", "ddpkit", "run", "--nproc", "1", *how, SCRIPT,
+                "--out", out, "--ckpt", os.path.join(out, "ckpt"), *extra]
+    return [sys.executable, "-m", "ddpkit", "train", "--nproc", "1", "--output", out,
+            "--no-progress", *how, *extra]
 
 
 def kill_worker(c, node):
-    """kill -9 the node's training process (not its launcher, which restarts it)."""
+    """kill -9 the node's training process (not its launcher, which restarts it, nor a
+    DataLoader worker of it)."""
     ns = c.ns(node)
     pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    found = {}
     for pid in pids.split():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if WORKER in argv:
-            os.kill(int(pid), signal.SIGKILL)
-            return int(pid)
+        if (SCRIPT or WORKER) in argv and " run " not in argv and " train " not in argv:
+            found[int(pid)] = ppid
+    for pid, ppid in found.items():
+        if ppid not in found:  # the training process itself
+            os.kill(pid, signal.SIGKILL)
+            return pid
     return None
 
 
@@ -128,8 +143,12 @@ def main():
     p.add_argument("--every", type=float, default=60.0, help="seconds between failures")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--modes", default="elastic,live")
+    p.add_argument("--script", help="a user's own loop (e.g. tests/live_script.py) under "
+                                    "ddpkit run, instead of ddpkit train")
     p.add_argument("train", nargs="*", help="ddpkit train flags (after --)")
     args = p.parse_args()
+    global SCRIPT
+    SCRIPT = os.path.abspath(args.script) if args.script else None
     modes = args.modes.split(",")
     rows = []
     for _ in range(args.repeats):

@@ -392,7 +392,7 @@ class Checkpointer:
         # copies weights and optimizer state onto the parameters' device (GPU <-> CPU resumes).
         found = (resolve_resume(resume, self.directory or "", "cpu",  # another model's: skipped
                                 fits=lambda s: not_this_run(s, self.model, self.config))
-                 if self.rt.is_main else None)
+                 if self.rt.env.rank == 0 else None)  # (each fault-tolerant replica: its own)
         chosen = comm.broadcast_object(str(found[0]) if found else None)
         if chosen is None:
             comm.print0(f"no checkpoint in {self.directory}: starting fresh")

@@ -239,9 +239,8 @@ def _environment(cfg: Any, address: str) -> Dict[str, str]:
                 "RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                 LAUNCHER_PID_VAR: str(os.getpid()), "DDPKIT_REPLICA_HOST": _advertised(cfg),
                 "TORCHFT_QUORUM_RETRIES": env.get("TORCHFT_QUORUM_RETRIES", "3")})
-    # torchft's Rust side logs every quorum at INFO; DDP warns once a replica that its buckets
-    # look for unused parameters (torchft's way to keep them never rebuilt, so a replica that
-    # joins has the same ones): neither is the user's to act on
+    # torchft's Rust side logs every quorum at INFO, and c10d warns each time a peer's socket
+    # closes or a store's client cannot name its host: replicas come and go here by design
     env.setdefault("RUST_LOG", "error")
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return env

@@ -89,7 +89,9 @@ class _Fit:
             every_steps=p.every_steps if p else 0, every_minutes=p.every_minutes if p else 0.0,
             keep=p.keep if p else 3, resume=p.resume if p else None, config=self.cfg.config,
             async_save=bool(p and p.async_save), mtbf_hours=p.mtbf_hours if p else 24.0)
-        if ckpt.resumed:  # the history list was restored in place
+        # the history list was restored in place (from a checkpoint, or from a live peer: a
+        # fault-tolerant replica that joined a running job)
+        if ckpt.resumed or ckpt.global_step:
             best = ckpt.extra["best"]
             self.state = TrainState(ckpt.epoch, ckpt.global_step, best["best"], best["best_epoch"],
                                     self.state.history)
@@ -210,6 +212,8 @@ class _Fit:
             hook.on_step_end(self, metrics)
         # counts the step for hang reports, saves when due, stops every rank on SIGTERM
         self.checkpoints.step(step)
+        # the job's count (a fault-tolerant replica: committed steps, a peer's after a heal)
+        self.state.step = self.checkpoints.global_step
 
     def _loss_read(self, step: int) -> bool:
         # The same answer on every rank (the reduction is a collective): the logging steps
