@@ -188,11 +188,13 @@ def _wait_for_stopped(out, replica, timeout=60):
 
 def _wait_for_step(out, replica, step, timeout=60):
     deadline = time.monotonic() + timeout
+    path = os.path.join(out, f"ledger-{replica}-0.jsonl")
     while time.monotonic() < deadline:
-        with open(os.path.join(out, f"ledger-{replica}-0.jsonl")) as f:
-            steps = [json.loads(line).get("step", -1) for line in f]
-        if max(steps) >= step:
-            return
+        if os.path.exists(path):
+            with open(path) as f:
+                steps = [json.loads(line).get("step", -1) for line in f if line.endswith("\n")]
+            if steps and max(steps) >= step:
+                return
         time.sleep(0.1)
     raise AssertionError(f"{replica} never reached step {step} without the stopped one")
 

@@ -45,12 +45,14 @@ def trial(rng, n):
     out = tempfile.mkdtemp(prefix="ddpkit-trial-")
     cmd = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerant", "--nproc", "3", SCRIPT,
            "--out", out, "--epochs", str(EPOCHS), "--ckpt", os.path.join(out, "ckpt"),
-           "--async-save", "--step-sleep", "0.05"]
-    began = time.monotonic()
+           "--async-save", "--step-sleep", "0.15"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+    while len(replica_pids(out)) < 3 and proc.poll() is None:  # training has begun
+        time.sleep(0.01)
+    began = time.monotonic()
     kills = []
-    plan = [rng.uniform(1.5, 4.0)]
+    plan = [rng.uniform(0.2, 4.0)]  # 36 steps of ~0.15 s: anywhere in the run
     if rng.random() < 0.5:
         plan.append(plan[0] + rng.uniform(0.1, 1.5))  # often while the first one heals
     for at in plan:
