@@ -51,6 +51,9 @@ class _FakeLive:
     def __init__(self, quorums):
         self.step, self.quorums, self.weights, self.share = 0, list(quorums), [], []
 
+    def record_share(self, indices):
+        self.share = indices
+
     def begin_step(self):
         return self.quorums.pop(0)
 

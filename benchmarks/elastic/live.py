@@ -121,18 +121,23 @@ def after(c, t):
 
 
 def count_samples(ledger):
-    """Whether every sample of every epoch was counted once across the replicas' ledgers."""
-    per_step = {}
+    """Whether every sample of every epoch was counted once: the shares of each (step, quorum)
+    that some replica committed (every share of a quorum is in a step that committed)."""
+    shares, committed = collections.defaultdict(dict), set()
     for path in glob.glob(os.path.join(ledger, "*.jsonl")):
         with open(path) as f:
             for line in f:
+                if not line.endswith("\n"):
+                    continue  # cut by a kill -9
                 r = json.loads(line)
-                if r["step"] in per_step and per_step[r["step"]] != r["idx"]:
-                    pass  # another replica's share of the same step
-                per_step.setdefault(r["step"], []).append(r["idx"])
-    counts = collections.Counter(i for shares in per_step.values() for idx in shares
+                key = (r["step"], r["quorum"])
+                if r.get("committed"):
+                    committed.add(key)
+                else:
+                    shares[key][path] = r["idx"]
+    counts = collections.Counter(i for key in committed for idx in shares[key].values()
                                  for i in idx)
-    steps = len(per_step)
+    steps = len({step for step, _ in committed})
     return {"steps": steps, "samples": len(counts),
             "each_once_per_epoch": len(set(counts.values())) == 1,
             "times_each": sorted(set(counts.values()))}

@@ -2,8 +2,9 @@
 tests/live_script.py on this machine (`ddpkit run --fault-tolerant --nproc 3`, checkpoints
 every 5 steps, written in the background), one replica killed at a random time, and in half the
 trials a second one (or the same, back and healing) a random fraction of a second later. Each
-trial must end with exit 0, every sample of every epoch counted once across the replicas'
-ledgers, and every replica holding the very same weights.
+trial must end with exit 0, every sample of every epoch counted once (DDPKIT_LIVE_LEDGER: each
+replica logs its share before its all-reduce, and each step it committed; the shares of every
+committed step and quorum are counted), and every replica holding the very same weights.
 
     python benchmarks/elastic/live_trials.py --trials 20 --seed 0
 """
@@ -22,7 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from test_live import assert_every_sample_once, ends, ledgers, EPOCHS, STEPS  # noqa: E402
+from test_live import ends, ledgers, EPOCHS, STEPS  # noqa: E402
+sys.path.insert(0, HERE)
+from live import count_samples  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "tests", "live_script.py")
 
@@ -46,8 +49,9 @@ def trial(rng, n):
     cmd = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerant", "--nproc", "3", SCRIPT,
            "--out", out, "--epochs", str(EPOCHS), "--ckpt", os.path.join(out, "ckpt"),
            "--async-save", "--step-sleep", "0.15"]
+    audit = os.path.join(out, "audit")  # each share logged before its all-reduce
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env={**os.environ, "DDPKIT_LIVE_LEDGER": audit})
     while len(replica_pids(out)) < 3 and proc.poll() is None:  # training has begun
         time.sleep(0.01)
     began = time.monotonic()
@@ -72,7 +76,8 @@ def trial(rng, n):
            "finished": len(done), "steps": max((e["end"] for e in done.values()), default=0)}
     try:
         assert proc.returncode == 0, err[-2000:]
-        assert_every_sample_once(found)
+        counted = count_samples(audit)  # every share of every committed (step, quorum)
+        assert counted["steps"] == EPOCHS * STEPS and counted["times_each"] == [EPOCHS], counted
         assert len({json.dumps(e["params"]) for e in done.values()}) == 1
         assert row["steps"] == EPOCHS * STEPS
         row["ok"] = True

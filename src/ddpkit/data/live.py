@@ -63,8 +63,8 @@ def step_share(order: Sequence[int], step: int, global_batch: int, rank: int,
 
 class _Live(Protocol):  # what the loader needs from the engine's live state
     step: int
-    share: List[int]
     def begin_step(self) -> Tuple[int, int]: ...
+    def record_share(self, indices: List[int]) -> None: ...
     def counted(self, samples: int, global_samples: int) -> None: ...
 
 
@@ -143,7 +143,7 @@ class LiveLoader:
             global_samples = len(order[k * self.batch.global_batch:
                                        (k + 1) * self.batch.global_batch])
             self.live.counted(counted, global_samples)
-            self.live.share = indices[:counted]
+            self.live.record_share(indices[:counted])
             self.last_indices, self.last_counted, self._given = indices, counted, k
             tagged = [epoch * self.samples + i for i in indices]
             yield self.collate(self._data.__getitems__(tagged))

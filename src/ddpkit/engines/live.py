@@ -187,18 +187,29 @@ class Live:
         if self.step != before:
             self.heals += 1
 
+    def record_share(self, indices: List[int]) -> None:
+        """The samples this replica counts in the step under way; with ``DDPKIT_LIVE_LEDGER``
+        written before its gradient can reach the others (a share in a step the quorum
+        committed was trained, whatever became of the replica after its all-reduce)."""
+        self.share = list(indices)
+        if self._ledger is not None:
+            self._ledger.write(json.dumps({"step": self.step, "idx": self.share, "quorum":
+                                           getattr(self.manager, "_quorum_id", None)}) + "\n")
+
     def counted(self, samples: int, global_samples: int) -> None:
         """The step's batch has ``global_samples``, this replica computes ``samples`` of them."""
         self.weight = samples / max(global_samples, 1)
 
     def commit(self) -> bool:
         """Whether every replica of the quorum finished the step (then the optimizer steps)."""
+        quorum = getattr(self.manager, "_quorum_id", None)
         self.committed = bool(self.manager.should_commit())
         if not self.committed:
             for undo in self.at_rollback:
                 undo()
-        if self.committed and self._ledger is not None:  # the audit: which samples counted
-            self._ledger.write(json.dumps({"step": self.step - 1, "idx": self.share}) + "\n")
+        if self.committed and self._ledger is not None:
+            self._ledger.write(json.dumps({"step": self.step - 1, "quorum": quorum,
+                                           "committed": True}) + "\n")
         if self.committed and self.replicas != self._said_replicas:
             if self._said_replicas and self.leads():  # the first quorum is no news
                 say(f"step {self.step - 1} committed by {self.replicas} replica(s) "
@@ -288,9 +299,10 @@ class LiveModel(nn.Module):
 
 
 def _open_ledger() -> Optional[Any]:
-    """``DDPKIT_LIVE_LEDGER=DIR``: each replica appends every step it committed and the samples
-    it counted there, one JSON line a step (``ledger-REPLICA-ATTEMPT.jsonl``), to count that
-    each sample of an epoch was trained once."""
+    """``DDPKIT_LIVE_LEDGER=DIR``: each replica appends, for every step, the samples it counted
+    and its quorum (before the vote) and then whether the step committed, one JSON line each
+    (``ledger-REPLICA-ATTEMPT.jsonl``): a step committed by any replica of a quorum trained
+    every share of that quorum, so each sample of an epoch can be counted once."""
     directory = os.environ.get(LEDGER_VAR)
     if not directory:
         return None
