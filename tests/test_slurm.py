@@ -391,7 +391,8 @@ def test_a_fault_tolerant_job_that_loses_a_node_goes_on_without_a_restart(tmp_pa
     from test_live import ends, ledgers
 
     with SlurmCluster(2, workdir=tmp_path / "slurm", slurmd_timeout=10) as s:
-        text = render("--nodes", "2", "--gpus-per-node", "0", "--fault-tolerant", "--no-requeue",
+        text = render("--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "0",
+                      "--fault-tolerant", "--no-requeue",
                       os.path.join(HERE, "live_script.py"), "--out", "@OUT@",
                       "--step-sleep", "0.2", "--epochs", str(LIVE_EPOCHS))
         assert "#SBATCH --no-kill" in text and "ddpkit run --fault-tolerant" in text

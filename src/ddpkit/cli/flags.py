@@ -55,7 +55,8 @@ _LAUNCH_FLAGS = (
                                       "install 'ddpkit[ft]'; docs/failures.md)")),
     (("--min-replicas",), dict(type=int, default=None, metavar="N",
                                help="--fault-tolerant: steps commit while at least N replicas "
-                                    "are alive (default 1)")),
+                                    "are alive (default: a majority of them; fewer lets a lone "
+                                    "survivor train on, and two groups cut apart train apart)")),
     (("--lighthouse",), dict(metavar="HOST:PORT",
                              help="--fault-tolerant on several nodes: the lighthouse that keeps "
                                   "the quorum; node rank 0 starts it there (default on one "

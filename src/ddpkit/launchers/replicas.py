@@ -9,6 +9,7 @@ torch once, or spawned), forwards a stop signal to them, and says each event in 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -258,6 +259,8 @@ def run(cfg: Any, nproc: int) -> int:
     missing = torchft_missing()
     if missing:
         raise ConfigError(missing)
+    if cfg.min_replicas is None:  # a majority: two groups can never both go on (split brain)
+        cfg = dataclasses.replace(cfg, min_replicas=cfg.nnodes * nproc // 2 + 1)
     if cfg.min_replicas < 1:
         raise ConfigError(f"--min-replicas must be >= 1, got {cfg.min_replicas}")
     if cfg.nnodes <= 1 and cfg.min_replicas > nproc:

@@ -98,8 +98,9 @@ class RunConfig:
     #: Each process a replica that is restarted alone and heals from a live peer
     #: (:mod:`.replicas`, torchft underneath).
     fault_tolerant: bool = False
-    #: ``fault_tolerant``: steps commit while at least this many replicas are alive.
-    min_replicas: int = 1
+    #: ``fault_tolerant``: steps commit while at least this many replicas are alive (None: a
+    #: majority of the job's, so that two groups of survivors can never train apart).
+    min_replicas: Optional[int] = None
     #: ``fault_tolerant`` on several nodes: ``HOST:PORT`` of the lighthouse (node rank 0's).
     lighthouse: Optional[str] = None
 
