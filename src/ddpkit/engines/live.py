@@ -27,7 +27,7 @@ from torch import nn
 from ..base.errors import ConfigError
 from ..base.wrap import WrapOptions
 from ..env.detect import ClusterEnv
-from .none import NoneEngine
+from .torchdist import TorchEngine
 
 __all__ = ["LiveEngine", "Live", "LIVE_VAR", "LIGHTHOUSE_VAR", "REPLICA_VAR", "MIN_REPLICAS_VAR",
            "current"]
@@ -364,7 +364,7 @@ def _manager(step_s: float, quorum_s: float) -> Any:
     return manager
 
 
-class LiveEngine(NoneEngine):
+class LiveEngine(TorchEngine):
     """The engine of a fault-tolerant run (chosen by ``setup()`` when ``ddpkit run
     --fault-tolerant`` started this process). ``wrap`` is DDP whose gradients go through
     torchft's Manager, weighted by each replica's share of the step's samples.
