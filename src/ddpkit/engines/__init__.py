@@ -30,8 +30,7 @@ __all__ = ["Engine", "TorchEngine", "NoneEngine", "ENGINES", "create", "choose",
 
 # The order is the one users see in error messages and --help.
 _ENGINES: Dict[str, Type[Engine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine, "dp": DPEngine,
-                                     "horovod": HorovodEngine, "none": NoneEngine,
-                                     "live": LiveEngine}
+                                     "horovod": HorovodEngine, "none": NoneEngine}
 ENGINES = tuple(_ENGINES)
 # Engines whose collectives replace torch.distributed's when they run (checked in this order).
 _COLLECTIVES = (HorovodEngine, LiveEngine)
@@ -44,6 +43,8 @@ def create(name: str) -> Engine:
 
         engine = create("ddp")
     """
+    if name == "live":  # not a choice: what `ddpkit run --fault-tolerant` starts its replicas on
+        return LiveEngine()
     if name not in _ENGINES:
         raise ConfigError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
     return _ENGINES[name]()
@@ -64,10 +65,9 @@ def choose(name: str = "auto", environ: Mapping[str, str] = os.environ) -> Engin
             raise ConfigError(f"engine {name!r} cannot run fault-tolerant: each replica holds "
                               "the whole model (engine ddp); leave --fault-tolerant out to "
                               f"use {name}")
-        name = "live"
+        return LiveEngine()
     if name == "auto":
-        name = "horovod" if started_by_horovod(environ) else \
-            "live" if environ.get(LIVE_VAR) == "1" else "ddp"
+        name = "horovod" if started_by_horovod(environ) else "ddp"
     if name not in _ENGINES:
         raise ConfigError(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINES)}")
     return _ENGINES[name]()
