@@ -8,34 +8,17 @@ ledger per replica and attempt of every step it committed and the samples it cou
 import argparse
 import json
 import os
-import random
 import signal
 import time
 
-import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 import ddpkit
+# its data: augmentation that draws from the global RNGs in __getitem__, giving (x, y, index)
+from own_loop_script import CLASSES, FEATURES, SAMPLES, Augmented
 
-SAMPLES, FEATURES, CLASSES, BATCH = 91, 8, 3, 8
-
-
-class Augmented(Dataset):
-    def __init__(self, n=SAMPLES, seed=123):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, FEATURES, generator=g)
-        self.y = torch.randint(0, CLASSES, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        x = self.x[i] + 0.1 * torch.rand(FEATURES)             # torch's global RNG
-        if random.random() < 0.5:                              # Python's
-            x = x.flip(0)
-        return x * float(np.random.uniform(0.9, 1.1)), self.y[i], i   # NumPy's
+BATCH = 8
 
 
 def main():

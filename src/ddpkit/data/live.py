@@ -103,6 +103,7 @@ class LiveLoader:
         self.last_indices: List[int] = []
         self.last_counted = 0
         self._given = -1  # the step of its epoch the batch given last belongs to
+        self._order: Tuple[int, List[int]] = (-1, [])  # (epoch, its order of samples)
         self._expected: Optional[int] = None  # the loop's epoch for the next pass, once known
         self._next = self.epoch + 1
 
@@ -138,7 +139,9 @@ class LiveLoader:
             epoch, k = divmod(self.live.step, self.steps)
             if epoch != self.epoch:
                 break
-            order = epoch_order(self.samples, self.seed, epoch, self.shuffle)
+            if self._order[0] != epoch:  # one draw an epoch, not one a step
+                self._order = (epoch, epoch_order(self.samples, self.seed, epoch, self.shuffle))
+            order = self._order[1]
             indices, counted = step_share(order, k, self.batch.global_batch, rank, replicas)
             global_samples = len(order[k * self.batch.global_batch:
                                        (k + 1) * self.batch.global_batch])
