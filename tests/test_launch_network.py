@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -203,12 +204,48 @@ def test_watchdog_exits_once_every_worker_is_an_unreaped_zombie_for_the_grace():
     exited = []
     views = iter([{7: "S"}, {7: "Z"}, {7: "Z"}, {7: "Z"}] + [{7: "Z"}] * 100)
     dog = watchdog.AgentWatchdog("10.0.0.1:29400", grace=0.2, interval=0.05, exit=exited.append,
-                            list_children=lambda: next(views))
+                                 list_children=lambda: next(views), position=lambda: "store.get")
     with dog:
         deadline = time.monotonic() + 5
         while not exited and time.monotonic() < deadline:
             time.sleep(0.02)
     assert exited == [1]
+
+
+def test_watchdog_leaves_an_agent_whose_main_thread_moves_then_exits_once_it_stands_still():
+    """The agent logging a failed worker imports torch._dynamo and sympy (over 20 s on a loaded
+    host): its workers are zombies meanwhile, but it is not stuck."""
+    exited, looked, moving = [], [], [True]
+
+    def position():
+        looked.append(time.monotonic())
+        return len(looked) if moving[0] else "store.get"
+
+    dog = watchdog.AgentWatchdog("10.0.0.1:29400", grace=0.1, interval=0.02, exit=exited.append,
+                                 list_children=lambda: {7: "Z"}, position=position)
+    with dog:
+        deadline = time.monotonic() + 5
+        while (len(looked) < 2 or looked[-1] - looked[0] < 0.4) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert exited == [], "an agent that moves was called stuck"
+        moving[0] = False
+        while not exited and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert exited == [1]
+
+
+def test_the_main_thread_position_is_its_innermost_python_frame():
+    seen = []
+
+    def sleeping():
+        time.sleep(0.5)  # the line the other thread sees
+
+    t = threading.Timer(0.2, lambda: seen.append(watchdog.main_thread_position()))
+    t.start()
+    sleeping()
+    t.join()
+    line = sleeping.__code__.co_firstlineno + 1
+    assert seen == [(id(sleeping.__code__), line)]
 
 
 def test_watchdog_leaves_a_healthy_agent_alone():

@@ -378,11 +378,16 @@ def holding_early_interrupts(active: bool = True) -> Iterator[None]:
 
 
 class AgentWatchdog:
-    """Exit when this process's workers have all exited but it has not reaped them for ``grace`` s.
+    """Exit when this process's workers have all exited but it has not reaped them for ``grace`` s
+    while its main thread stood still (one call that does not return).
 
     torchrun's agent polls its workers between rendezvous-store calls; on a node cut off
     from the store a call can block for many minutes, so dead workers stay unreaped zombies
     and the launcher hangs. Used around the in-process torchrun call in ``ddpkit run``.
+    A main thread that moves is not stuck: torch's log formatter imports ``torch._dynamo`` (and
+    sympy) the first time the agent logs a failed worker, which took more than 20 s on a loaded
+    host (every multinode scenario at once on 2 cores), and an agent doing so was once called
+    stuck and its node ended. ``position`` (tests): the main thread's place, any comparable.
 
     Example::
 
@@ -392,10 +397,12 @@ class AgentWatchdog:
 
     def __init__(self, endpoint: str, grace: float = 20.0, interval: float = 1.0,
                  exit: Callable[[int], Any] = os._exit,
-                 list_children: Optional[Callable[[], Dict[int, str]]] = None) -> None:
+                 list_children: Optional[Callable[[], Dict[int, str]]] = None,
+                 position: Optional[Callable[[], Any]] = None) -> None:
         self.endpoint, self.grace, self.interval = endpoint, grace, interval
         self._exit = exit
         self._children = list_children or workers_or_children
+        self._position = position or main_thread_position
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ddpkit-agent-watchdog",
                                         daemon=True)
@@ -409,10 +416,13 @@ class AgentWatchdog:
 
     def _watch(self) -> None:
         since: Optional[float] = None
+        where = None
         while not self._stop.wait(self.interval):
             kids = self._children()
             all_dead = bool(kids) and all(state in "ZX" for state in kids.values())
-            since = (since or time.monotonic()) if all_dead else None
+            here = self._position()
+            moved, where = here != where, here
+            since = (time.monotonic() if since is None or moved else since) if all_dead else None
             if since is not None and time.monotonic() - since >= self.grace:
                 self._give_up(sorted(kids))
                 return
@@ -430,6 +440,18 @@ class AgentWatchdog:
                          "(network partition, or the store's node is gone); exiting\n")
         sys.stderr.flush()
         self._exit(code if code > 0 else 1)
+
+
+def main_thread_position() -> Optional[Tuple[int, int]]:
+    """Where the main thread is now: its innermost Python frame's code and line (``None`` once
+    it has ended). The same value a while later means one call has not returned meanwhile.
+
+    Example::
+
+        main_thread_position()   # (139872, 417)
+    """
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    return None if frame is None else (id(frame.f_code), frame.f_lineno)
 
 
 def _tcp_store(endpoint: str, timeout: float) -> Any:
