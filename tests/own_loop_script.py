@@ -96,9 +96,13 @@ def own_loop(rt, args):
             opt.zero_grad()
             sched.step()
             ckpt.step()
+            if args.log_to is not None:  # after the step's save: a kill next is the hard case
+                rt.log({"train/loss": rt.mean(loss), "lr": sched.get_last_lr()[0]})
             maybe_kill(rt, args, ckpt.global_step)
             if args.eval_every and ckpt.global_step % args.eval_every == 0:
                 ckpt.extra["evals"].append(rt.evaluate(model, val_set, topk=(1,))["loss"])
+                if args.log_to is not None:
+                    rt.log({"eval/loss": ckpt.extra["evals"][-1]})
                 model.train()
     ckpt.close()
     return model, ckpt.global_step, ckpt.extra["evals"]
@@ -171,12 +175,18 @@ def parser():
                    help="name each round's ledger by the step it resumed from, not the restart "
                         "count (a replaced node's launcher counts its restarts from 0)")
     p.add_argument("--backend", default=None, help="process group backend (gloo: ranks share a GPU)")
+    p.add_argument("--log-to", default=None,
+                   help="rt.log each step's loss and each evaluation to OUT/log/metrics.jsonl "
+                        "and these trackers (comma-separated; '' for the JSONL alone)")
     return p
 
 
 def main():
     args = parser().parse_args()
-    rt = ddpkit.setup(seed=0, deterministic=True, engine=args.engine, backend=args.backend)
+    logging = {} if args.log_to is None else {
+        "log_to": args.log_to, "log_dir": os.path.join(args.out, "log"), "project": "own-loop"}
+    rt = ddpkit.setup(seed=0, deterministic=True, engine=args.engine, backend=args.backend,
+                      **logging)
     model, steps, evals = (with_fit if args.fit else own_loop)(rt, args)
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
               for p in rt.unwrap(model).parameters()]  # FSDP: every rank gathers the shards

@@ -133,6 +133,10 @@ class Checkpointer:
         self._waits = 0  # saves in a row that waited for the write before them
         if self.directory is not None:  # several nodes: every one must see the checkpoints
             check_shared(self.directory, rt.env.num_nodes)
+        # rt.log's state (the tracker run, the records logged) rides in each checkpoint
+        self._tracking = getattr(rt, "tracking", None)
+        if self._tracking is not None:
+            self._tracking.attach()
         if resume:
             self.restore(resume)
         # a fault-tolerant run: heal from a live peer here, step only on committed steps
@@ -250,6 +254,8 @@ class Checkpointer:
         self.wait()  # the last save is on disk when the loop is over
         signum = self.rt.stops.ask_now(self.rt.engine)
         self._graceful.close()
+        if self._tracking is not None:  # what was logged is final: append-only trackers get it
+            self._tracking.loop_ended()
         if signum is not None:
             self.stop(signum)
 
@@ -263,6 +269,12 @@ class Checkpointer:
         """
         if self.background is not None:
             self.background.finish()
+            self._saved()
+
+    def _saved(self) -> None:
+        """The newest checkpoint is on disk: the records it counts go to append-only trackers."""
+        if self._tracking is not None and self.rt.is_main:
+            self._tracking.saved()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -291,6 +303,7 @@ class Checkpointer:
                 path = self._save_in_background(self.directory)
             else:
                 path = self._save_now(self.directory)
+                self._saved()
         self.last_saved, self.saved_step = path, self.global_step
         # steps timed since this process began: "auto" chooses, the advice is said once
         self.cadence.saved(began, self.global_step - self._first_step, self._started)
@@ -311,6 +324,7 @@ class Checkpointer:
 
     def _save_in_background(self, directory: Path) -> Optional[Path]:
         waited = self.background.finish()  # one save in flight: wait for the one before
+        self._saved()
         self._waits = self._waits + 1 if waited is not None and waited > 0.05 else 0
         if self._waits == 2:  # said once it recurs: the saves come faster than they write
             comm.print0(f"checkpoint: step {self.global_step} waited {waited:.1f} s for the "
@@ -348,7 +362,8 @@ class Checkpointer:
         return {**weights, **parts, **extras, "loader": loader, "progress": progress,
                 "rng": comm.gather_object(rng_state()) if rng else None,
                 "world_size": self.rt.world_size, "config": self.config,
-                "meta": checkpoint_metadata()}
+                "meta": checkpoint_metadata(),
+                **({"log": self._tracking.state_dict()} if self._tracking is not None else {})}
 
     # ------------------------------------------------------------------ your own state
     def register(self, name: str, obj: Union["Stateful", Any]) -> Any:
@@ -418,6 +433,8 @@ class Checkpointer:
         unmapped = load_parts(self.parts, self.extra, ckpt)  # per rank, on another world size
         self._unclaimed = set(self.extra) - registered  # kept (and saved again) for register()
         self._load_position(ckpt, unmapped)
+        if self._tracking is not None and ckpt.get("log"):
+            self._tracking.load_state_dict(ckpt["log"])
 
     def _load_position(self, ckpt: Dict[str, Any], unmapped: Sequence[str] = ()) -> None:
         progress = ckpt["progress"]

@@ -97,6 +97,9 @@ class TrainConfig:
     deterministic: bool = _opt(False, "torch.use_deterministic_algorithms")
     output: str = _opt("runs/ddpkit", "run directory (config, metrics.jsonl, checkpoints)")
     log_every: int = _opt(20, "log training metrics every N optimizer steps", least=1)
+    log_to: Optional[str] = _opt(None, "trackers besides metrics.jsonl and TensorBoard (when "
+                                       "installed): mlflow, wandb, comma-separated (each an "
+                                       "extra: pip install 'ddpkit[mlflow]')")
     progress: bool = _opt(True, "progress bar on rank 0 when stderr is a terminal")
     # checkpoints and resume
     resume: Optional[str] = _opt(None, "'auto' (latest valid checkpoint in the run dir) or a path")

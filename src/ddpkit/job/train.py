@@ -16,7 +16,8 @@ from ..engines import comm
 from ..cost.auto import choice_of
 from ..checkpoint.names import checkpoint_name, list_checkpoints
 from ..checkpoint.write import SaveError, atomic_write
-from ..training.log import RunLogger, banner
+from ..training.log import banner
+from ..training.tracking import with_tensorboard
 from ..training.loop import CheckpointPolicy, FitConfig, TrainState, fit
 from ..training.precision import Precision, gpu_math
 from ..data.resident import describe
@@ -46,7 +47,7 @@ def fit_config(cfg: TrainConfig, rt: Any, test_set: Any, scheduler: Any,
         epochs=cfg.epochs, precision=Precision(cfg.precision, rt.device),
         accum_steps=cfg.accum_steps, clip_norm=cfg.clip_grad, scheduler=scheduler,
         scheduler_interval=interval, eval_data=test_set, eval_every=cfg.eval_every,
-        eval_batch_size=cfg.eval_batch_size, logger=RunLogger(cfg.output), checkpoint=policy,
+        eval_batch_size=cfg.eval_batch_size, logger=rt.tracking, checkpoint=policy,
         max_steps=cfg.max_steps, skip_nonfinite=cfg.skip_nonfinite,
         channels_last=cfg.channels_last, log_every=cfg.log_every, progress=cfg.progress,
         perplexity=dataset_key(cfg.data) == "text", config=cfg.to_dict())
@@ -62,7 +63,7 @@ def train(cfg: TrainConfig) -> TrainState:
     """
     rt = setup(backend=cfg.backend, accelerator=cfg.accelerator, seed=cfg.seed,
                timeout=timedelta(seconds=cfg.timeout_s), deterministic=cfg.deterministic,
-               engine=cfg.engine)
+               engine=cfg.engine, log_to=with_tensorboard(cfg.log_to), log_dir=cfg.output)
     check_config(cfg, rt.world_size, rt.device.type == "cuda")
     gpu_math(rt.device, tf32=cfg.tf32, deterministic=cfg.deterministic)
     banner(rt.env, rt.device, rt.backend)

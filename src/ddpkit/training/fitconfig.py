@@ -12,6 +12,7 @@ from torch import nn
 
 from ..base.errors import DDPKitError
 from .log import RunLogger
+from .tracking import Tracking
 from .precision import Precision
 
 __all__ = ["CheckpointPolicy", "FitConfig", "Hook", "TrainState"]
@@ -68,7 +69,7 @@ class FitConfig:
     eval_every: int = 1
     eval_batch_size: int = 256                             # per rank (evaluate's per_rank_batch)
     monitor: str = "top1"                                  # eval metric that picks the best epoch
-    logger: Optional[RunLogger] = None
+    logger: Optional[Union[RunLogger, Tracking]] = None  # fit and `ddpkit train`: rt.tracking
     checkpoint: Optional[CheckpointPolicy] = None
     hooks: Sequence["Hook"] = ()
     max_steps: Optional[int] = None

@@ -59,7 +59,9 @@ class _Fit:
         self.acc = Accumulator(model, optimizer, self.precision, cfg.accum_steps, cfg.clip_norm,
                                skip_nonfinite=cfg.skip_nonfinite, engine=rt.engine)
         self.state = TrainState()
-        self.logger: Optional[RunLogger] = cfg.logger
+        # setup(log_to=...) or setup(log_dir=...): fit logs where rt.log does
+        self.logger: Optional[Any] = cfg.logger if cfg.logger is not None else (
+            rt.tracking if getattr(getattr(rt, "tracking", None), "chosen", False) else None)
         self.ckpt: Optional[CheckpointPolicy] = cfg.checkpoint
         self.checkpoints: Optional[Checkpointer] = None  # opened by run(): it may resume
         self.loss_fn: Callable[..., torch.Tensor] = cfg.loss_fn or default_loss

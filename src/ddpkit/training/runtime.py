@@ -12,7 +12,8 @@ import sys
 import warnings
 import weakref
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -28,6 +29,8 @@ from ..data.loader import DistributedLoader, make_loader
 from ..env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from ..env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
 from .evaluation import evaluate
+from ..base.errors import ConfigError
+from .tracking import Tracking, tracker_names
 from ..faults import stall
 from ..faults.launcher_watch import start_for_launcher
 from ..faults.watch_store import watch_store
@@ -60,8 +63,12 @@ class Runtime:
 
     def __init__(self, env: ClusterEnv, device: torch.device, backend: Optional[str],
                  engine: Optional[engines.Engine] = None, stops: Optional[Stops] = None,
-                 heartbeat: Optional[Heartbeat] = None) -> None:
+                 heartbeat: Optional[Heartbeat] = None,
+                 tracking: Optional[Tracking] = None) -> None:
         self.env, self.device, self.backend = env, device, backend
+        #: what :meth:`log` writes to (its checkpoint state: see :mod:`.tracking`)
+        self.tracking = tracking or Tracking(_default_log_dir(), chosen=False,
+                                             position=lambda: self.heartbeat.last_step or 0)
         self.engine = engine or engines.create("ddp")
         self.stops = stops or Stops()  # not installed: signals keep their default meaning
         self.heartbeat = heartbeat or Heartbeat(None, env.rank, env.world_size)
@@ -106,19 +113,30 @@ class Runtime:
         self._wrapped[unwrap(wrapped)] = type(wrapped).__name__
         return compile_model(wrapped, self.device, opts.compile_mode) if opts.compile else wrapped
 
-    def loader(self, dataset: Dataset, batch_size: int, **kwargs: Any) -> DistributedLoader:
+    def loader(self, dataset: Dataset, batch_size: Optional[int] = None,
+               **kwargs: Any) -> DistributedLoader:
         """A loader of this rank's share; ``batch_size`` is the *global* batch of one optimizer
         step (with ``accum_steps=K``, each batch it gives is one of the K micro-batches of a
-        step: the one rule, in ``ddpkit/data/batch.py``). The split, decided here once, is
-        ``loader.batch``; ``loader.batch_size`` is torch's, this rank's micro-batch. See
-        :func:`make_loader`.
+        step: the one rule, in ``ddpkit/data/batch.py``). ``per_rank_batch=N`` instead: each
+        rank's micro-batch (Accelerate's and Fabric's ``batch_size``), the global batch
+        what it makes. The split, decided here once, is ``loader.batch``;
+        ``loader.batch_size`` is torch's, this rank's micro-batch. See :func:`make_loader`.
 
         Example::
 
             loader = rt.loader(train_set, batch_size=256, num_workers=2, seed=0)
             loader = rt.loader(train_set, batch_size=256, accum_steps=4)  # 64 / ranks a batch
+            loader = rt.loader(train_set, per_rank_batch=16)   # 16 a rank: 32 on 2 ranks
             loader.batch   # Batch(global_batch=256, world_size=..., accum_steps=4, micro_batch=...)
         """
+        per_rank = kwargs.get("per_rank_batch")
+        if batch_size is None and per_rank is None:
+            raise ConfigError("rt.loader needs batch_size= (the global batch of one optimizer "
+                              "step) or per_rank_batch= (each rank's micro-batch)")
+        if batch_size is not None and per_rank is not None:
+            raise ConfigError(f"rt.loader: batch_size={batch_size} (global) and per_rank_batch="
+                              f"{per_rank} (each rank's) both given: give one")
+        batch_size = 0 if batch_size is None else batch_size  # per_rank_batch decides
         live = engines.live.current()
         if live is not None:  # a fault-tolerant run: each step split over the live replicas
             return live_loader(dataset, batch_size, live, **kwargs)
@@ -172,6 +190,21 @@ class Runtime:
         """
         return self.engine.optimizer(optimizer, model, accum_steps, compression)
 
+    def log(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
+        """Log ``metrics`` (numbers, or one-element tensors) at ``step`` (default: the
+        optimizer steps taken so far, a resumed run's included): rank 0 appends them to
+        ``<log_dir>/metrics.jsonl`` and the trackers of ``setup(log_to=...)``. Values are
+        what you pass: use :meth:`mean` for the mean over ranks. Call it on every rank or on
+        rank 0 only. With :meth:`checkpointer`, a resumed run continues the same tracker runs
+        and replaces what the crashed attempt logged after its last checkpoint (see
+        docs/tracking.md).
+
+        Example::
+
+            rt.log({"train/loss": rt.mean(loss), "lr": scheduler.get_last_lr()[0]})
+        """
+        self.tracking.log(metrics, step)
+
     def checkpointer(self, directory: Optional[str], *, model: nn.Module,
                      **parts: Any) -> Checkpointer:
         """Exact save and resume for your own loop; see :class:`~ddpkit.checkpoint.checkpointer.Checkpointer`.
@@ -205,6 +238,7 @@ class Runtime:
             rt.shutdown()
         """
         stall.stop_current()  # its thread uses the group's store
+        self.tracking.close(final=False)  # a checkpointer still open: its loop did not end
         self.engine.shutdown()
 
     def __enter__(self) -> "Runtime":
@@ -217,6 +251,12 @@ class Runtime:
         return (f"Runtime(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}, "
                 f"device={self.device}, backend={self.backend}, engine={self.engine.name}, "
                 f"launcher={self.env.launcher})")
+
+
+def _default_log_dir() -> str:
+    """``runs/<script name>``: where ``rt.log`` writes without ``setup(log_dir=...)``."""
+    stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-") else ""
+    return os.path.join("runs", stem or "ddpkit")
 
 
 def _rank_hint(environ: Mapping[str, str]) -> int:
@@ -245,7 +285,9 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
           timeout: Optional[timedelta] = None, accelerator: str = "auto",
           seed: Optional[int] = None, deterministic: bool = False,
           env: Optional[ClusterEnv] = None, expected_world_size: Optional[int] = None,
-          argv: Optional[Sequence[str]] = None, engine: str = "auto") -> Runtime:
+          argv: Optional[Sequence[str]] = None, engine: str = "auto",
+          log_to: Union[str, Sequence[str], None] = None, log_dir: Optional[str] = None,
+          project: Optional[str] = None) -> Runtime:
     """Detect the launcher, pick the device, create the process group: the first ddpkit line.
 
     Works unchanged under torchrun / ``ddpkit run``, Slurm ``srun``, :func:`ddpkit.launch` and a
@@ -254,13 +296,17 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     ``timeout`` (a collective's) to ``DDPKIT_TIMEOUT`` seconds (``ddpkit run --timeout``), else
     10 minutes. ``engine`` is
     ``auto`` (Horovod under ``horovodrun``, else DDP), ``ddp``, ``dp``, ``horovod`` or ``none``:
-    see :mod:`ddpkit.engines`.
+    see :mod:`ddpkit.engines`. ``log_to``: trackers for :meth:`Runtime.log` besides
+    ``<log_dir>/metrics.jsonl`` (``"tensorboard"``, ``"mlflow"``, ``"wandb"``, a list or
+    comma-separated; each an extra, ``pip install 'ddpkit[mlflow]'``); ``log_dir`` defaults to
+    ``runs/<script name>``; ``project``: the MLflow experiment / W&B project (``ddpkit``).
 
     Example::
 
         rt = ddpkit.setup(seed=0)
         print(rt)   # Runtime(rank=0/2, local_rank=0, device=cpu, backend=gloo, engine=ddp, ...)
     """
+    trackers = tracker_names(log_to)  # a bad name or a missing package: one line, at once
     chosen = engines.create("ddp") if engine == "auto" and env is not None \
         else engines.choose(engine)  # an explicit env is a torch job (tests, custom launchers)
     install_error_hook(_rank_hint(os.environ))  # a job set up wrongly: one line, not a traceback
@@ -297,4 +343,8 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     if deterministic:
         set_deterministic(True)
     observe.start(env.rank, env.world_size, seeded=seed is not None)  # under ddpkit verify
-    return Runtime(env, device, backend_name, chosen, stops, heartbeat)
+    tracking = Tracking(log_dir or _default_log_dir(), trackers, project=project,
+                        position=lambda: heartbeat.last_step or 0,
+                        chosen=bool(trackers or log_dir))
+    atexit.register(tracking.close, final=False)
+    return Runtime(env, device, backend_name, chosen, stops, heartbeat, tracking)
