@@ -21,9 +21,11 @@ class Sink:
 
     def __init__(self, got):
         self.got = got
+        self.sent_through = -1
 
     def write(self, records):
         self.got.extend((pos, step, dict(m)) for pos, step, _, m in records)
+        self.sent_through = max([self.sent_through] + [r[0] for r in records])
 
     def close(self):
         pass
@@ -304,3 +306,95 @@ def test_fit_logs_through_the_same_path_and_its_history_survives_kill_9(runs, ml
     assert _jsonl(out) == expected
     assert _tensorboard(out) == _tensorboard(whole)
     assert _mlflow(out, mlflow_uri)[1] == _mlflow(whole, mlflow_uri)[1]
+
+
+# W&B offline (no network here): the run's history is read back from its .wandb files, the
+# crashed attempt's and the resumed one's (one W&B run id, the ddpkit run's key).
+WANDB_RUNS = {"whole": [], "killed": ["--kill-rank", "0", "--kill-step", "8"]}
+
+
+@pytest.fixture(scope="module")
+def wandb_runs(tmp_path_factory):
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install -e '.[dev]'")
+    home = tmp_path_factory.mktemp("wandb-home")
+    env = {"WANDB_CONFIG_DIR": str(home / "config"), "WANDB_CACHE_DIR": str(home / "cache"),
+           "WANDB_DATA_DIR": str(home / "data"), "WANDB_SILENT": "true"}
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
+        pytest.skip("WANDB_API_KEY or WANDB_MODE is set here: this test proves the offline "
+                    "default")
+    done = {}
+    for name, flags in WANDB_RUNS.items():
+        out = tmp_path_factory.mktemp(f"wandb-{name}")
+        res = forkrun.ddpkit(
+            "run", "--nproc", "2", "--max-restarts", "1", os.path.join(HERE, "own_loop_script.py"),
+            "--out", str(out), "--epochs", "2", "--eval-every", "4", "--log-to", "wandb", *flags,
+            env=env, timeout=300)
+        assert res.returncode == 0, f"{name}:\n{res.stderr[-3000:]}"
+        done[name] = (out, res)
+    return done
+
+
+def _wandb_history(out):
+    """{step: {key: value}} from every offline run file under OUT/log/wandb, in file order."""
+    import glob
+
+    from wandb.proto import wandb_internal_pb2
+
+    files = sorted(glob.glob(os.path.join(out, "log", "wandb", "offline-run-*", "run-*.wandb")))
+    ids, points = set(), []
+    for path in files:
+        ids.add(os.path.basename(path)[4:-6])
+        for data in _leveldb_log(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                     for item in record.history.item}
+            points.append((int(items["_step"]), {k: v for k, v in items.items()
+                                                 if not k.startswith("_")}))
+    return files, ids, points
+
+
+def _leveldb_log(path, block=32768):
+    """The records of a .wandb file (wandb >= 0.2x reads them in Go only): a 7-byte header
+    (":W&B", magic, version), then LevelDB's log format: 32 KiB blocks of chunks, each
+    crc32 (4 bytes), length (2), type (1: whole, 2: first, 3: middle, 4: last)."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", path
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header: zeros
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            break  # preallocated zeros: the end of what was written
+        if kind in (1, 2):
+            pending = chunk
+        else:
+            pending += chunk
+        if kind in (1, 4):
+            yield pending
+            pending = b""
+
+
+@pytest.mark.slow
+def test_a_w_and_b_offline_run_is_continued_and_its_history_is_the_uninterrupted_one(wandb_runs):
+    whole, (out, res) = wandb_runs["whole"][0], wandb_runs["killed"]
+    assert "resumed from" in res.stdout + res.stderr
+    files, ids, points = _wandb_history(out)
+    assert len(files) == 2 and len(ids) == 1, (files, ids)  # two attempts, one W&B run
+    expected = _wandb_history(whole)[2]
+    steps = [s for s, _ in expected]
+    assert steps == sorted(set(steps)) and len(steps) > 12  # one point a step, no gap
+    merged = {}
+    for step, values in points:  # W&B keeps a step's first value; a second must be the same
+        assert merged.setdefault(step, values) == values, f"step {step} differs"
+    assert merged == {s: v for s, v in expected}, "a step lost or different"

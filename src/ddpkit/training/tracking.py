@@ -195,12 +195,15 @@ class _MLflow:
             self.run_id = self.client.create_run(
                 exp_id, tags={"ddpkit.run_key": key}, run_name=f"ddpkit-{key}").info.run_id
 
+        self.sent_through = -1  #: every record of this position or before is stored
+
     def write(self, records: List[Record]) -> None:
         from mlflow.entities import Metric
         metrics = [Metric(k, v, int(t * 1000), step)
                    for _, step, t, m in records for k, v in _numeric(m).items()]
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+        self.sent_through = max([self.sent_through] + [r[0] for r in records])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -214,19 +217,41 @@ class _WandB:
 
     def __init__(self, log_dir: Path, key: str, project: str) -> None:
         import wandb
-        mode = os.environ.get("WANDB_MODE")
+        mode = os.environ.get("WANDB_MODE") or None  # set but empty: as unset
         if mode is None and not os.environ.get("WANDB_API_KEY"):
             mode = "offline"
             comm.print0(f"log_to wandb: no WANDB_API_KEY: writing offline under {log_dir}/wandb "
                         "(`wandb sync` uploads it)")
         self.run = wandb.init(project=project, id=key, resume="allow", dir=str(log_dir),
                               mode=mode, settings=wandb.Settings(silent=True))
+        # a step's row is held here until a later step comes, then committed whole
+        self._row: Dict[str, float] = {}
+        self._row_step: Optional[int] = None
+        self._row_first = self._committed = -1  # positions
+        # W&B's own service writes the run's file a while after run.log returns, and dies
+        # with the process on kill -9 (an attempt's file then held nothing): what it stored is
+        # known only once run.finish() returns. Until then a resume sends this attempt's
+        # records again; W&B keeps a step's first value (the same value: the training resumed
+        # exactly), so a point is never missing, at worst written twice
+        self.sent_through = -1
 
     def write(self, records: List[Record]) -> None:
-        for _, step, _, metrics in records:
-            self.run.log(_numeric(metrics), step=step)
+        for pos, step, _, metrics in records:
+            if self._row_step is not None and step != self._row_step:
+                self._commit()
+            if self._row_step is None:
+                self._row_step, self._row_first = step, pos
+            self._row.update(_numeric(metrics))
+            self._committed = max(self._committed, pos)
+
+    def _commit(self) -> None:
+        if self._row_step is not None:
+            self.run.log(self._row, step=self._row_step, commit=True)
+        self._row, self._row_step = {}, None
 
     def close(self) -> None:
+        self._commit()
+        self.sent_through = self._committed
         self.run.finish()
 
 
@@ -264,6 +289,7 @@ class Tracking:
         self.records = 0            # logged by this process (every rank counts)
         self._resumed_at: Optional[int] = None  # the step of the checkpoint resumed from
         self._sinks: Optional[List[Any]] = None  # opened at the first write (rank 0)
+        self._named: Dict[str, Any] = {}  # the trackers' writers by name
         self._deferring = 0         # checkpointers open: append-only trackers wait for saves
         self._pending: List[Record] = []   # for them, past the newest checkpoint on disk
         self._saving: Optional[int] = None  # the position of the checkpoint being written
@@ -301,15 +327,16 @@ class Tracking:
             return self._sinks
         self.log_dir.mkdir(parents=True, exist_ok=True)
         jsonl = _Jsonl(self.log_dir, self._resumed_at)
-        sinks: List[Any] = [jsonl]
-        if self._resumed_at is not None:  # what the crashed attempt may not have sent yet
+        self._named = {name: self._tracker(name, jsonl) for name in self.trackers}
+        self._sinks = [jsonl, *self._named.values()]
+        if self._resumed_at is not None:  # what the crashed attempt may not have stored
             sent = self._sent()
-            self._pending = [r for r in jsonl.kept if r[0] > sent]
-        sinks += [self._tracker(name, jsonl) for name in self.trackers]
-        self._sinks = sinks
-        if not any(not sink.rewrites for sink in sinks):
-            self._pending = []  # nobody waits for them
-        return sinks
+            for name, sink in self._named.items():
+                replay = [r for r in jsonl.kept if r[0] > sent.get(name, -1)]
+                if not sink.rewrites and replay:
+                    sink.write(replay)  # all covered by the checkpoint resumed from
+            self._mark()
+        return self._sinks
 
     def _tracker(self, name: str, jsonl: _Jsonl) -> Any:
         """The writer of tracker ``name`` (``rewrites``, ``write(records)``, ``close()``)."""
@@ -323,14 +350,16 @@ class Tracking:
     def _marker(self) -> Path:
         return self.log_dir / ".ddpkit-sent.json"
 
-    def _sent(self) -> int:
-        """The position through which this run's append-only trackers got every record (an
-        earlier attempt's, from the marker it left; -1: none)."""
+    def _sent(self) -> Dict[str, int]:
+        """Tracker name -> the position through which it stored every record of this run (an
+        earlier attempt's, from the marker it left; none: nothing)."""
         try:
             marker = json.loads(self._marker.read_text())
-            return int(marker["pos"]) if marker.get("key") == self.key else -1
-        except (OSError, ValueError, KeyError, TypeError):
-            return -1
+            if marker.get("key") != self.key:
+                return {}
+            return {str(k): int(v) for k, v in marker["sent"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
 
     def _flush(self, upto: Optional[int] = None) -> None:
         """Append-only trackers get the pending records of positions up to ``upto`` (all:
@@ -344,9 +373,17 @@ class Tracking:
         for sink in self._sinks:
             if not sink.rewrites:
                 sink.write(ready)
+        self._mark()
+
+    def _mark(self) -> None:
+        """Write how far each append-only tracker has stored this run's records."""
+        sent = {name: sink.sent_through for name, sink in self._named.items()
+                if not sink.rewrites}
+        if not sent:
+            return
         tmp = self._marker.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps({"key": self.key, "pos": max(r[0] for r in ready)}))
+            tmp.write_text(json.dumps({"key": self.key, "sent": sent}))
             os.replace(tmp, self._marker)
         except OSError:  # a full disk: a resume may send some records again
             pass
@@ -403,3 +440,4 @@ class Tracking:
             self._flush()
         for sink in self._sinks or []:
             sink.close()
+        self._mark()  # W&B's last row is committed now
