@@ -174,13 +174,13 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_the_resumed_run_is_exact(
 
 STOP_AS_THE_RUN_CLOSES = """
 import os, signal
-import ddpkit.training.log   # in every process (a fork server's workers inherit it)
-closing = ddpkit.training.log.RunLogger.close
-def close(self):   # rank 0 of the test's ddpkit train: SIGTERM after the last step, its
-    if os.environ.get("RANK") == "0":    # evaluation and save, as the logger closes
-        os.kill(os.getpid(), signal.SIGTERM)
-    closing(self)
-ddpkit.training.log.RunLogger.close = close
+import ddpkit.training.tracking   # in every process (a fork server's workers inherit it)
+closing = ddpkit.training.tracking.Tracking.close
+def close(self, final=True):   # rank 0 of the test's ddpkit train: SIGTERM after the last
+    if final and os.environ.get("RANK") == "0":   # step, its evaluation and save, as fit
+        os.kill(os.getpid(), signal.SIGTERM)      # closes its log (not at exit)
+    closing(self, final)
+ddpkit.training.tracking.Tracking.close = close
 """
 
 
