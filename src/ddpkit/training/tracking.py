@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..base.errors import ConfigError
 from ..engines import comm
+from .log import _cannot_write
 
 __all__ = ["Tracking", "TRACKERS", "tracker_names", "with_tensorboard"]
 
@@ -103,7 +104,6 @@ class _Jsonl:
 
     def __init__(self, log_dir: Path, upto: Optional[int]) -> None:
         self.path = log_dir / "metrics.jsonl"
-        self.last_kept: Optional[int] = None  # the largest step kept (TensorBoard's purge)
         self.kept: List[Record] = []  # the records kept, for trackers that may lack some
         if upto is not None and self.path.exists():
             kept = []
@@ -118,11 +118,15 @@ class _Jsonl:
                     step = int(record.pop("step"))
                     record.pop("pos", None)
                     self.kept.append((pos, step, float(record.pop("time", 0.0)), record))
-                    self.last_kept = step if self.last_kept is None else max(self.last_kept, step)
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(kept))
             os.replace(tmp, self.path)
         self._file = open(self.path, "a", buffering=1)
+
+    @property
+    def last_kept(self) -> Optional[int]:
+        """The largest step kept by a resume's cut (TensorBoard purges the steps after it)."""
+        return max((step for _, step, _, _ in self.kept), default=None)
 
     def write(self, records: List[Record]) -> None:
         if self._file is None:
@@ -227,7 +231,7 @@ class _WandB:
         # a step's row is held here until a later step comes, then committed whole
         self._row: Dict[str, float] = {}
         self._row_step: Optional[int] = None
-        self._row_first = self._committed = -1  # positions
+        self._committed = -1  # the last position written
         # W&B's own service writes the run's file a while after run.log returns, and dies
         # with the process on kill -9 (an attempt's file then held nothing): what it stored is
         # known only once run.finish() returns. Until then a resume sends this attempt's
@@ -240,7 +244,7 @@ class _WandB:
             if self._row_step is not None and step != self._row_step:
                 self._commit()
             if self._row_step is None:
-                self._row_step, self._row_first = step, pos
+                self._row_step = step
             self._row.update(_numeric(metrics))
             self._committed = max(self._committed, pos)
 
@@ -253,11 +257,6 @@ class _WandB:
         self._commit()
         self.sent_through = self._committed
         self.run.finish()
-
-
-def _cannot_write(path: str, exc: OSError) -> None:
-    print(f"warning: cannot append to {path} ({exc.strerror or exc}): metrics are no longer "
-          "recorded there; training goes on", file=sys.stderr, flush=True)
 
 
 class Tracking:
@@ -286,7 +285,6 @@ class Tracking:
         self.key = key or secrets.token_hex(4)
         self.project = project or "ddpkit"
         self._position = position or (lambda: 0)
-        self.records = 0            # logged by this process (every rank counts)
         self._resumed_at: Optional[int] = None  # the step of the checkpoint resumed from
         self._sinks: Optional[List[Any]] = None  # opened at the first write (rank 0)
         self._named: Dict[str, Any] = {}  # the trackers' writers by name
@@ -311,7 +309,6 @@ class Tracking:
         pos = int(self._position() or 0)
         record = (pos, pos if step is None else int(step), time.time(),
                   {str(k): _number(v) for k, v in metrics.items()})
-        self.records += 1
         if not comm.is_main() or self._closed:
             return
         sinks = self._open()
