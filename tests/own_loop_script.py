@@ -175,14 +175,31 @@ def parser():
                    help="name each round's ledger by the step it resumed from, not the restart "
                         "count (a replaced node's launcher counts its restarts from 0)")
     p.add_argument("--backend", default=None, help="process group backend (gloo: ranks share a GPU)")
+    p.add_argument("--adopt", choices=("accelerate", "fabric"), default=None,
+                   help="make the process group with Accelerate's Accelerator or Lightning "
+                        "Fabric's launcher first (Fabric starts the 2 processes itself)")
     p.add_argument("--log-to", default=None,
                    help="rt.log each step's loss and each evaluation to OUT/log/metrics.jsonl "
                         "and these trackers (comma-separated; '' for the JSONL alone)")
     return p
 
 
+def adopt(how):
+    """A script that mixes: Accelerate or Lightning Fabric made the group, ddpkit adopts it."""
+    if how == "accelerate":
+        from accelerate import Accelerator
+        return Accelerator(cpu=True)
+    if how == "fabric":
+        from lightning.fabric import Fabric
+        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+        fabric.launch()  # starts the other process (this script again) and makes the group
+        return fabric
+    return None
+
+
 def main():
     args = parser().parse_args()
+    adopted = adopt(args.adopt)  # noqa: F841 (kept alive: it owns the group)
     logging = {} if args.log_to is None else {
         "log_to": args.log_to, "log_dir": os.path.join(args.out, "log"), "project": "own-loop"}
     rt = ddpkit.setup(seed=0, deterministic=True, engine=args.engine, backend=args.backend,

@@ -88,6 +88,13 @@ def check_not_wrapped(model: nn.Module, wrapped_as: Optional[str] = None) -> Non
                           f"around {inner}): wrap your plain module once, and use what rt.wrap "
                           "returns (rt.unwrap(model) gives the plain module back, to save or "
                           "evaluate)")
+    inside = next((m for m in model.modules()
+                   if isinstance(m, (DistributedDataParallel, DataParallel))), None)
+    if inside is not None:  # another library's wrapper around one (Fabric's _FabricModule)
+        raise ConfigError(f"rt.wrap got a {type(model).__name__} with a {type(inside).__name__} "
+                          "inside: another library wrapped it already (fabric.setup, "
+                          "accelerator.prepare); pass rt.wrap the plain module, and train "
+                          "either with ddpkit's wrapper or with the other library's, not both")
 
 
 def compile_unavailable(device: torch.device) -> Optional[str]:

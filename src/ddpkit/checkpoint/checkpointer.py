@@ -23,12 +23,14 @@ from ..base.observe import own_directory
 from .advice import world_change_line
 from ..base.seed import rng_state, set_rng_state
 from .cadence import Cadence
+from .names import list_checkpoints
 from .position import where
 from .shared_dir import check_shared
 from .per_rank import gather_extras
 from .registry import check_register, restore_value, stateful
 from .restore import load_parts, load_weights, next_position, not_this_run
 from . import live as live_steps
+from . import ray_train
 from .sharded import (async_group, async_writer, is_sharded, remove_shards, save_shards,
                       start_shards)
 from .stopping import StopQuestions, last_save_ends_stop, stop_line
@@ -137,6 +139,9 @@ class Checkpointer:
         self._tracking = getattr(rt, "tracking", None)
         if self._tracking is not None:
             self._tracking.attach()
+        # a Ray Train worker: each checkpoint on disk goes to ray.train.report as well
+        self._ray = (ray_train.RayReport(self.directory, rt.is_main)
+                     if self.directory is not None and ray_train.running(rt.env) else None)
         if resume:
             self.restore(resume)
         # a fault-tolerant run: heal from a live peer here, step only on committed steps
@@ -272,9 +277,12 @@ class Checkpointer:
             self._saved()
 
     def _saved(self) -> None:
-        """The newest checkpoint is on disk: the records it counts go to append-only trackers."""
+        """The newest checkpoint is on disk (every rank): the records it counts go to
+        append-only trackers; under Ray Train, Ray gets the checkpoint."""
         if self._tracking is not None and self.rt.is_main:
             self._tracking.saved()
+        if self._ray is not None and self.saved_step is not None:
+            self._ray.saved(self.saved_step, self.epoch)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -303,8 +311,9 @@ class Checkpointer:
                 path = self._save_in_background(self.directory)
             else:
                 path = self._save_now(self.directory)
-                self._saved()
         self.last_saved, self.saved_step = path, self.global_step
+        if self.background is None:
+            self._saved()
         # steps timed since this process began: "auto" chooses, the advice is said once
         self.cadence.saved(began, self.global_step - self._first_step, self._started)
         return path
@@ -400,8 +409,26 @@ class Checkpointer:
 
             ckpt.restore("runs/old/ckpt/ckpt-000000400.pt")
         """
+        if str(resume) == "auto" and ray_train.running(self.rt.env):
+            with ray_train.newest() as kept:  # a worker group Ray restarted: Ray's newest,
+                if kept is not None and not self._newer_here(kept):  # unless ours is newer
+                    return self._restore(kept, here=True)
         if self.directory is None and str(resume) == "auto":
             return None
+        return self._restore(resume)
+
+    def _newer_here(self, kept: Path) -> bool:
+        # Ray registers a report when it next polls the workers: one made just before a
+        # failure may be lost, while the file it copied is in this run's own directory.
+        newer = None
+        if self.rt.env.rank == 0:
+            ours = list_checkpoints(self.directory) if self.directory is not None else []
+            rays = list_checkpoints(kept)
+            newer = bool(ours) and (not rays or ours[-1].name > rays[-1].name)
+        return bool(comm.broadcast_object(newer))
+
+    def _restore(self, resume: Union[str, Path], here: bool = False) -> Optional[str]:
+        # here: ``resume`` is this rank's own copy (Ray's, downloaded); others load theirs
         # Rank 0 chooses, so every rank resumes from the same file even if one is being damaged.
         # Loaded to the CPU on every device: RNG states must be CPU tensors, and load_state_dict
         # copies weights and optimizer state onto the parameters' device (GPU <-> CPU resumes).
@@ -412,6 +439,8 @@ class Checkpointer:
         if chosen is None:
             comm.print0(f"no checkpoint in {self.directory}: starting fresh")
             return None
+        if here and not found:
+            chosen = str(Path(resume) / Path(chosen).name)
         ckpt = found[1] if found else load_checkpoint(chosen, map_location="cpu")
         self.load_state_dict(ckpt, Path(chosen))
         self.resumed = chosen

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import socket
 from datetime import timedelta
 from typing import Any, ContextManager, List, Optional, Sequence
 
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from ..faults.crash import die_with_launcher
-from ..env.detect import ClusterEnv, detect
+from ..env.detect import ClusterEnv, adopt, detect
+from ..base.errors import ConfigError
 from ..base.wrap import WrapOptions
 
 __all__ = ["Engine", "Reduction", "REDUCE_OPS"]
@@ -64,7 +66,7 @@ class Engine(abc.ABC):
                     expected_world_size: Optional[int]) -> ClusterEnv:
         """This process's place in the job, from the launcher's variables (or ``env``)."""
         die_with_launcher()
-        return env or detect(os.environ, argv, expected_world_size)
+        return _adopted(env or detect(os.environ, argv, expected_world_size))
 
     @abc.abstractmethod
     def start(self, env: ClusterEnv, device: torch.device, backend: Optional[str],
@@ -169,3 +171,20 @@ class Reduction:
             self.work.wait()
             self.work = None
         return self.tensor / self.divide if self.divide != 1 else self.tensor
+
+
+def _adopted(env: ClusterEnv) -> ClusterEnv:
+    # A group made before setup (Accelerate's Accelerator, Lightning Fabric's launcher, Ray
+    # Train) is the truth about the job: its rank and size win over the variables'.
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return env
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == env.world_size:
+        if rank != env.rank:
+            raise ConfigError(f"RANK says {env.rank}, but the process group made before "
+                              f"ddpkit.setup() says {rank}: unset the stale RANK variable")
+        return env
+    hosts: List[Any] = [None] * world  # every rank sees the same mismatch: all gather
+    dist.all_gather_object(hosts, socket.gethostname())
+    return adopt(env, rank, world, hosts, os.environ)

@@ -5,7 +5,7 @@ launcher (torchrun, Slurm, spawn, a single process) is testable with a plain dic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
 from ..base.errors import ConfigError, JobSetupError
@@ -33,7 +33,10 @@ _SPAWNED_VAR = "DDPKIT_SPAWNED"
 #: agent (also ``ddpkit run``, ``torch.distributed.launch``), ``ddpkit.launch``, MPI, and
 #: Kubernetes (operators such as PyTorchJob set RANK/WORLD_SIZE; pods start minutes apart).
 _LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", _SPAWNED_VAR, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-                   "PMIX_RANK", "KUBERNETES_SERVICE_HOST")
+                   "PMIX_RANK", "KUBERNETES_SERVICE_HOST", "RAY_RAYLET_PID")
+#: Set in every process a Ray cluster starts: under RANK/WORLD_SIZE, a Ray Train worker (its
+#: TorchTrainer made the process group before the training function runs).
+_RAY_MARK = "RAY_RAYLET_PID"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class ClusterEnv:
     node_rank: int = 0
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
-    launcher: str = "single"  # torchrun | slurm | kubernetes | spawn | single
+    launcher: str = "single"  # torchrun | slurm | kubernetes | ray | spawn | adopted | single
     restart_count: int = 0
     job_id: Optional[str] = None
     #: torchrun workers reuse the agent's rendezvous store (TORCHELASTIC_USE_AGENT_STORE=True);
@@ -145,7 +148,7 @@ def _from_torchrun(environ: Mapping[str, str], argv: Sequence[str]) -> ClusterEn
         node_rank=_int(environ, "GROUP_RANK", _int(environ, "NODE_RANK", 0)),
         master_addr=environ.get("MASTER_ADDR") or None,
         master_port=_int(environ, "MASTER_PORT"),
-        launcher="torchrun",
+        launcher="ray" if environ.get(_RAY_MARK) else "torchrun",
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         # ddpkit run's --rdzv-id as given (torchrun's run id carries the node count too)
         job_id=environ.get("DDPKIT_RUN_ID") or environ.get("TORCHELASTIC_RUN_ID"),
@@ -267,6 +270,30 @@ def detect(environ: Mapping[str, str], argv: Sequence[str] = (),
         raise JobSetupError(f"{env.launcher} started {env.world_size} process(es) but world "
                             f"size {expected_world_size} was requested; {hint}")
     return env
+
+
+def adopt(env: ClusterEnv, rank: int, world_size: int, hosts: Sequence[str],
+          environ: Mapping[str, str]) -> ClusterEnv:
+    """``env`` for a process group made before ``ddpkit.setup()`` whose launcher's variables
+    say less (Lightning Fabric's launcher sets ``LOCAL_RANK``, ``NODE_RANK`` and ``WORLD_SIZE``
+    but no ``RANK``): the group's rank and size, the nodes counted from ``hosts`` (every rank's
+    host name, in rank order).
+
+    Example::
+
+        env = adopt(detect({}), rank=1, world_size=2, hosts=["a", "a"], environ={})
+        assert (env.rank, env.local_rank, env.launcher) == (1, 1, "adopted")
+    """
+    nodes = list(dict.fromkeys(hosts))  # in order of their first rank
+    mine = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    local_rank = _int(environ, "LOCAL_RANK")
+    return replace(
+        env, rank=rank, world_size=world_size,
+        local_rank=mine.index(rank) if local_rank is None else local_rank,
+        local_world_size=len(mine), node_rank=nodes.index(hosts[rank]), nodes=len(nodes),
+        master_addr=env.master_addr or environ.get("MASTER_ADDR") or None,
+        master_port=env.master_port or _int(environ, "MASTER_PORT"),
+        launcher="adopted", vouched=True).validate()
 
 
 def spawn_env(rank: int, world_size: int, master_addr: str = "127.0.0.1",
