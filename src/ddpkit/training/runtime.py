@@ -26,6 +26,7 @@ from .batches import to_device
 from ..faults.crash import install_error_hook
 from ..data.live import live_loader
 from ..data.loader import DistributedLoader, make_loader
+from ..data.slices import SliceLoader
 from ..env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from ..env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
 from .evaluation import evaluate
@@ -141,6 +142,26 @@ class Runtime:
         if live is not None:  # a fault-tolerant run: each step split over the live replicas
             return live_loader(dataset, batch_size, live, **kwargs)
         return make_loader(dataset, batch_size, self.env, device=self.device, **kwargs)
+
+    def slices(self, tokens: torch.Tensor, batch_size: int, bptt: int) -> SliceLoader:
+        """A language model's loader without a Dataset (PyTorch's word_language_model):
+        ``tokens``, one long 1-D tensor, laid out as ``batch_size`` columns (the global batch)
+        and read ``bptt`` rows at a time; this rank reads its own adjacent columns, so N ranks
+        read together what one process reads. ``rt.checkpointer(loader=...)`` keeps its place
+        (epoch, row); keep the recurrent state per rank in ``extra=``. See
+        :class:`~ddpkit.data.slices.SliceLoader` and ``examples/lm_bptt.py``.
+
+        Example::
+
+            train = rt.slices(train_tokens, batch_size=20, bptt=35)
+            for x, y in train:          # x: (35, 20 / world) token ids, y: the next ones
+                ...
+        """
+        if engines.live.current() is not None:
+            raise ConfigError("rt.slices cannot follow replicas that come and go "
+                              "(--fault-tolerant): its columns are split over a fixed world; "
+                              "use rt.loader on a Dataset, or run without --fault-tolerant")
+        return SliceLoader(tokens, batch_size, bptt, self.rank, self.world_size)
 
     def to_device(self, *batches: Any) -> Any:
         """Move tensors, or batches of any structure (tuples, lists, dicts), to this rank's
