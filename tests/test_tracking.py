@@ -398,3 +398,21 @@ def test_a_w_and_b_offline_run_is_continued_and_its_history_is_the_uninterrupted
     for step, values in points:  # W&B keeps a step's first value; a second must be the same
         assert merged.setdefault(step, values) == values, f"step {step} differs"
     assert merged == {s: v for s, v in expected}, "a step lost or different"
+
+
+def test_mlflow_without_a_tracking_uri_writes_a_sqlite_store_in_the_log_dir(tmp_path,
+                                                                           monkeypatch):
+    # MLflow 3 refuses its old file store (mlruns/): the default must be one it accepts
+    pytest.importorskip("mlflow", reason="mlflow is not installed (the dev extra has it)")
+    from mlflow.tracking import MlflowClient
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    t = tr.Tracking(tmp_path, ["mlflow"], key="k", project="default-store")
+    t.log({"loss": 0.5}, step=1)
+    t.log({"loss": 0.25}, step=2)
+    t.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("default-store")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [
+        (1, 0.5), (2, 0.25)]
+    assert run.info.status == "FINISHED"

@@ -179,13 +179,15 @@ class _TensorBoard:
 
 class _MLflow:
     """One MLflow run per ddpkit run (tag ``ddpkit.run_key``), found again on resume.
-    ``MLFLOW_TRACKING_URI`` as MLflow reads it, else a store in ``<log_dir>/mlruns``."""
+    ``MLFLOW_TRACKING_URI`` as MLflow reads it, else a SQLite store ``<log_dir>/mlflow.db``
+    (MLflow 3 refuses its old file store, ``mlruns/``, unless told to allow it)."""
 
     rewrites = False
 
     def __init__(self, log_dir: Path, key: str, project: str) -> None:
         from mlflow.tracking import MlflowClient
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (log_dir / "mlruns").resolve().as_uri()
+        uri = (os.environ.get("MLFLOW_TRACKING_URI")
+               or f"sqlite:///{(log_dir / 'mlflow.db').resolve()}")
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(project)
         exp_id = (experiment.experiment_id if experiment is not None
