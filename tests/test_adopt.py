@@ -15,6 +15,7 @@ from torch.nn import DataParallel
 from ddpkit.base.errors import ConfigError
 from ddpkit.base.wrap import check_not_wrapped
 from ddpkit.env.detect import adopt, detect
+from ddpkit.faults.alike import heard, said_by_rank_0
 
 from test_own_loop import assert_bitwise_equal, assert_every_sample_once, final, run
 
@@ -44,6 +45,37 @@ def test_a_model_another_library_wrapped_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="another library wrapped it already"):
         check_not_wrapped(Wrapper())
     check_not_wrapped(nn.Sequential(nn.Linear(2, 2)))  # a plain model passes
+
+
+def test_a_line_rank_0_said_is_not_said_again_by_the_others():
+    # where no launcher stops the other ranks after rank 0 failed (Fabric's): the store decides
+    import torch.distributed as dist
+    store = dist.HashStore()
+    line = "rt.wrap got a _FabricModule with a DistributedDataParallel inside: ..."
+    assert not said_by_rank_0(store, 1, line, wait=0.1)   # rank 0 has not said it: rank 1 does
+    assert not said_by_rank_0(store, 0, line)             # rank 0 marks it and prints it
+    assert said_by_rank_0(store, 1, line, wait=0.1)       # rank 1 stays quiet, and says so
+    heard(store, 2, line, wait=5.0)                       # rank 0 leaves at once: rank 1 saw it
+    assert not said_by_rank_0(store, 1, "another error", wait=0.1)  # a different line: printed
+    assert not said_by_rank_0(None, 1, line)              # no store: every rank says its own
+
+
+@pytest.mark.slow
+def test_wrapping_what_fabric_wrapped_is_one_line_from_rank_0(tmp_path):
+    pytest.importorskip("lightning.fabric", reason="lightning is not installed (dev extra)")
+    script = tmp_path / "both.py"
+    script.write_text(
+        "import ddpkit\nfrom torch import nn\nfrom lightning.fabric import Fabric\n"
+        "fabric = Fabric(accelerator='cpu', devices=2, strategy='ddp')\nfabric.launch()\n"
+        "rt = ddpkit.setup()\nmodel = rt.wrap(fabric.setup(nn.Linear(4, 2)))\n")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=str(tmp_path))
+    assert res.returncode != 0
+    errors = [line for line in (res.stdout + res.stderr).splitlines() if "error:" in line]
+    assert errors == ["error: rt.wrap got a _FabricModule with a DistributedDataParallel inside: "
+                      "another library wrapped it already (fabric.setup, accelerator.prepare); "
+                      "pass rt.wrap the plain module, and train either with ddpkit's wrapper or "
+                      "with the other library's, not both"], res.stdout + res.stderr
 
 
 @pytest.fixture(scope="module")

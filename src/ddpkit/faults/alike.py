@@ -9,14 +9,17 @@ import re
 import sys
 import sysconfig
 import time
+from datetime import timedelta
 import traceback
 from typing import Any
 
-__all__ = ["failure_digest", "where", "said_for_every_rank", "EVERY_RANK"]
+__all__ = ["failure_digest", "where", "said_for_every_rank", "said_by_rank_0", "heard",
+           "EVERY_RANK"]
 
 #: The mark, in torchrun's error file, of an error every rank raised alike: not restarted.
 EVERY_RANK = "every rank"
 _ALIKE = "ddpkit/alike/{digest}"   # how many ranks raised this error, before any printed it
+_SAID = "ddpkit/said/{digest}"     # rank 0 printed this one-line error
 # What differs between ranks that hit the same bug: rank numbers, pids, devices, addresses.
 _RANK_SPECIFIC = ((re.compile(r"(rank|pid)[\s=:#_-]{0,2}\d+", re.I), r"\1 N"),
                   (re.compile(r"(cuda|xpu|mps|gpu|device)[\s=:#_-]{0,2}\d+", re.I), r"\1 N"),
@@ -83,3 +86,50 @@ def said_for_every_rank(store: Any, world_size: int, rank: int, line: str, text:
         return True
     except Exception:  # noqa: BLE001 - no answer from the store: the usual report instead
         return False
+
+
+def said_by_rank_0(store: Any, rank: int, line: str, wait: float = 3.0) -> bool:
+    """A one-line error (a bad input, found alike on every rank): rank 0 marks it said and
+    prints it (False here); another rank waits up to ``wait`` s for rank 0 to have said the same
+    line (True: say nothing). Where no launcher stops the other ranks once rank 0 has failed
+    (Lightning Fabric's, a user's own), each would print it again. False without a store.
+
+    Example::
+
+        if not said_by_rank_0(heartbeat.store, rank, str(error)):
+            print(f"[rank {rank}] error: {error}")
+    """
+    if store is None:
+        return False
+    try:
+        store.set_timeout(timedelta(seconds=5))
+        key = _SAID.format(digest=failure_digest(line))
+        if rank == 0:
+            store.set(key, "1")
+            return False
+        deadline = time.monotonic() + wait
+        while not store.check([key]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        store.add(key + "/quiet", 1)  # rank 0 waits for this before it leaves (and its store)
+        return True
+    except Exception:  # noqa: BLE001 - no answer: the rank says it itself
+        return False
+
+
+def heard(store: Any, world_size: int, line: str, wait: float = 3.0) -> None:
+    """Rank 0, after saying ``line``: wait (at most ``wait`` s) until the ranks that failed
+    alike have seen it said, so that a store rank 0 hosts outlives their question.
+
+    Example::
+
+        heard(heartbeat.store, 2, str(error))
+    """
+    try:
+        key = _SAID.format(digest=failure_digest(line)) + "/quiet"
+        deadline = time.monotonic() + wait
+        while store.add(key, 0) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - no answer: nothing to wait for
+        pass

@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch
 
 from ..base.errors import DDPKitError, JobSetupError
-from .alike import EVERY_RANK, failure_digest, said_for_every_rank, where
+from .alike import (EVERY_RANK, failure_digest, heard, said_by_rank_0, said_for_every_rank,
+                    where)
 from .stops import LAUNCHER_PID_VAR, die_with_launcher, quiet_exit  # noqa: F401 (re-exported)
 
 __all__ = ["install_error_hook", "collective_timeout", "is_peer_failure", "die_with_launcher",
@@ -277,10 +278,14 @@ def install_error_hook(rank: int, delay: float = 3.0, stops: Any = None,
                 time.sleep(delay if heartbeat is not None and not single_node else 0.0)
             os._exit(2)
         if isinstance(value, DDPKitError):
-            if rank != 0:
+            store = heartbeat.store if heartbeat is not None and single_node else None
+            if rank != 0 and store is None:
                 time.sleep(delay)
             _record_root_cause(value, text)
-            _write(f"{prefix}error: {value}\n")
+            if not said_by_rank_0(store, rank, str(value), delay):  # rank 0 said the same
+                _write(f"{prefix}error: {value}\n")
+            if rank == 0 and store is not None:
+                heard(store, heartbeat.world_size, str(value), delay)
             os._exit(2)
         shared = heartbeat is not None and heartbeat.store is not None
         if shared and _restart_follows() and _every_rank(heartbeat, rank, value, tb, text):
