@@ -24,7 +24,9 @@ def train_loop(config):
     import ddpkit
     import own_loop_script as script
 
-    rt = ddpkit.setup(seed=0, deterministic=True)
+    log_to = script.parser().parse_args(config["argv"]).log_to
+    # rt.log's directory left to its default: under Ray, <storage_path>/<run name>/log
+    rt = ddpkit.setup(seed=0, deterministic=True, **({} if log_to is None else {"log_to": log_to}))
     out = config["argv"][config["argv"].index("--out") + 1]
     attempt = len([n for n in os.listdir(out) if n.startswith("attempt-")])  # Ray's restarts
     torch.distributed.barrier()  # every rank has counted before rank 0 marks this attempt

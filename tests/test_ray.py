@@ -22,7 +22,8 @@ from ddpkit.env.detect import detect
 from test_own_loop import assert_bitwise_equal, assert_every_sample_once, final, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FLAGS = ["--workers", "2", "--eval-every", "4"]  # DataLoader workers, evaluation mid-training
+# DataLoader workers, evaluation mid-training, rt.log of each step's loss and each evaluation
+FLAGS = ["--workers", "2", "--eval-every", "4", "--log-to", ""]
 
 
 def test_a_ray_train_worker_is_named_so_and_vouched_for():
@@ -73,3 +74,14 @@ def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_bitwise(tmp_path):
     assert_bitwise_equal(ended, final(reference))
     assert ended["evals"] == final(reference)["evals"]
     assert_every_sample_once(out)
+    # rt.log's default directory under Ray: Ray's run storage, not its session directory; the
+    # history there is the uninterrupted run's, record for record (the crashed attempt's
+    # records after checkpoint 6 replaced, not repeated)
+    assert history(out / "ray" / "run" / "log") == history(reference / "log")
+    assert [r["step"] for r in history(reference / "log") if "train/loss" in r] == list(
+        range(1, 37))
+
+
+def history(log_dir):
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]

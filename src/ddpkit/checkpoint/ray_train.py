@@ -16,7 +16,7 @@ from ..env.detect import ClusterEnv
 from .names import checkpoint_name
 from .sharded import shards_name
 
-__all__ = ["RayReport", "running", "newest"]
+__all__ = ["RayReport", "running", "newest", "log_dir"]
 
 
 def running(env: ClusterEnv) -> bool:
@@ -47,6 +47,27 @@ def newest() -> Iterator[Optional[Path]]:
         return
     with kept.as_directory() as local:
         yield Path(local)
+
+
+def log_dir() -> Optional[str]:
+    """Where ``rt.log`` writes by default under Ray Train: ``<storage_path>/<run name>/log``
+    when Ray's storage is this machine's file system (a worker's working directory is inside
+    Ray's session directory, gone with the cluster), else None (``runs/...`` there after all).
+
+    Example::
+
+        log_dir()   # '/shared/ray/run1/log'
+    """
+    try:
+        import pyarrow.fs
+        import ray.train
+
+        storage = ray.train.get_context().get_storage()  # Ray's developer API
+        if isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
+            return str(Path(storage.experiment_fs_path) / "log")
+    except Exception:  # noqa: BLE001 - another Ray version's storage: the usual default
+        pass
+    return None
 
 
 class RayReport:

@@ -27,6 +27,7 @@ from ..faults.crash import install_error_hook
 from ..data.live import live_loader
 from ..data.loader import DistributedLoader, make_loader
 from ..data.slices import SliceLoader
+from ..checkpoint import ray_train
 from ..env.dist import DEFAULT_TIMEOUT, cpu_threads_per_process, select_device
 from ..env.detect import BACKEND_VAR, TIMEOUT_VAR, ClusterEnv
 from .evaluation import evaluate
@@ -320,7 +321,8 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     see :mod:`ddpkit.engines`. ``log_to``: trackers for :meth:`Runtime.log` besides
     ``<log_dir>/metrics.jsonl`` (``"tensorboard"``, ``"mlflow"``, ``"wandb"``, a list or
     comma-separated; each an extra, ``pip install 'ddpkit[mlflow]'``); ``log_dir`` defaults to
-    ``runs/<script name>``; ``project``: the MLflow experiment / W&B project (``ddpkit``).
+    ``runs/<script name>`` (under Ray Train: ``<storage_path>/<run name>/log``); ``project``:
+    the MLflow experiment / W&B project (``ddpkit``).
 
     Example::
 
@@ -364,6 +366,8 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     if deterministic:
         set_deterministic(True)
     observe.start(env.rank, env.world_size, seeded=seed is not None)  # under ddpkit verify
+    if log_dir is None and ray_train.running(env):  # not under Ray's session directory
+        log_dir = ray_train.log_dir()
     tracking = Tracking(log_dir or _default_log_dir(), trackers, project=project,
                         position=lambda: heartbeat.last_step or 0,
                         chosen=bool(trackers or log_dir))
