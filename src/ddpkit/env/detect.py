@@ -32,11 +32,11 @@ _SPAWNED_VAR = "DDPKIT_SPAWNED"
 #: Variables that say a launcher started this process with the torchrun-style ones: torchrun's
 #: agent (also ``ddpkit run``, ``torch.distributed.launch``), ``ddpkit.launch``, MPI, and
 #: Kubernetes (operators such as PyTorchJob set RANK/WORLD_SIZE; pods start minutes apart).
-_LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", _SPAWNED_VAR, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-                   "PMIX_RANK", "KUBERNETES_SERVICE_HOST", "RAY_RAYLET_PID")
 #: Set in every process a Ray cluster starts: under RANK/WORLD_SIZE, a Ray Train worker (its
 #: TorchTrainer made the process group before the training function runs).
 _RAY_MARK = "RAY_RAYLET_PID"
+_LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", _SPAWNED_VAR, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                   "PMIX_RANK", "KUBERNETES_SERVICE_HOST", _RAY_MARK)
 
 
 @dataclass(frozen=True)

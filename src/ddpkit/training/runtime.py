@@ -69,7 +69,7 @@ class Runtime:
                  tracking: Optional[Tracking] = None) -> None:
         self.env, self.device, self.backend = env, device, backend
         #: what :meth:`log` writes to (its checkpoint state: see :mod:`.tracking`)
-        self.tracking = tracking or Tracking(_default_log_dir(), chosen=False,
+        self.tracking = tracking or Tracking(_default_log_dir(env), chosen=False,
                                              position=lambda: self.heartbeat.last_step or 0)
         self.engine = engine or engines.create("ddp")
         self.stops = stops or Stops()  # not installed: signals keep their default meaning
@@ -275,8 +275,12 @@ class Runtime:
                 f"launcher={self.env.launcher})")
 
 
-def _default_log_dir() -> str:
-    """``runs/<script name>``: where ``rt.log`` writes without ``setup(log_dir=...)``."""
+def _default_log_dir(env: Optional[ClusterEnv] = None) -> str:
+    """``runs/<script name>``: where ``rt.log`` writes without ``setup(log_dir=...)``; under
+    Ray Train Ray's run storage (a worker's working directory is in Ray's session directory)."""
+    under_ray = ray_train.log_dir() if env is not None and ray_train.running(env) else None
+    if under_ray is not None:
+        return under_ray
     stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-") else ""
     return os.path.join("runs", stem or "ddpkit")
 
@@ -366,9 +370,7 @@ def setup(*, backend: Optional[str] = None, init_method: Optional[str] = None,
     if deterministic:
         set_deterministic(True)
     observe.start(env.rank, env.world_size, seeded=seed is not None)  # under ddpkit verify
-    if log_dir is None and ray_train.running(env):  # not under Ray's session directory
-        log_dir = ray_train.log_dir()
-    tracking = Tracking(log_dir or _default_log_dir(), trackers, project=project,
+    tracking = Tracking(log_dir or _default_log_dir(env), trackers, project=project,
                         position=lambda: heartbeat.last_step or 0,
                         chosen=bool(trackers or log_dir))
     atexit.register(tracking.close, final=False)

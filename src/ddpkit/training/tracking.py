@@ -141,11 +141,16 @@ class _Jsonl:
 
     def close(self) -> None:
         if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:
-                pass
+            _close_quietly(self._file)
             self._file = None
+
+
+def _close_quietly(handle: Any) -> None:
+    # on a full disk the last flush fails as well: the failed write was the one said
+    try:
+        handle.close()
+    except OSError:
+        pass
 
 
 class _TensorBoard:
@@ -170,10 +175,7 @@ class _TensorBoard:
 
     def close(self) -> None:
         if self._tb is not None:
-            try:
-                self._tb.close()
-            except OSError:
-                pass
+            _close_quietly(self._tb)
             self._tb = None
 
 
